@@ -1,0 +1,80 @@
+"""Text-environment contract, scenarios and the env registry.
+
+A text env follows Gymnasium's contract with strings:
+``reset(*, seed=None, options=None) -> (obs, info)`` and
+``step(action) -> (obs, reward, terminated, truncated, info)``.
+``info`` always carries ``anchor`` (hashable canonical state), ``action_valid`` and ``won``;
+``admissible_actions`` where the env knows them.
+Pure module: no Prefect, MLflow, DVC or file paths.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol
+
+
+class TextEnv(Protocol):
+    """What the rollout loop needs from an environment."""
+
+    def reset(self, *, seed: int | None = None, options: dict | None = None) -> tuple[str, dict]: ...
+
+    def step(self, action: str) -> tuple[str, float, bool, bool, dict]: ...
+
+    def task_description(self) -> str: ...
+
+    def expert_action(self) -> str | None: ...
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """One env instance: frozen, hashable, serializable (one JSON line in a scenario file)."""
+
+    env: str
+    seed: int
+    split: str
+    options: tuple[tuple[str, Any], ...] = field(default_factory=tuple)
+
+    @property
+    def scenario_id(self) -> str:
+        return f"{self.env}:{self.split}:{self.seed}"
+
+    def to_json(self) -> str:
+        return json.dumps({"env": self.env, "seed": self.seed, "split": self.split, "options": dict(self.options)},
+                          sort_keys=True)
+
+    @classmethod
+    def from_json(cls, line: str) -> "Scenario":
+        raw = json.loads(line)
+        return cls(env=raw["env"], seed=int(raw["seed"]), split=raw["split"],
+                   options=tuple(sorted(raw.get("options", {}).items())))
+
+
+EnvFactory = Callable[..., TextEnv]
+ENVS: dict[str, EnvFactory] = {}
+
+
+def register_env(name: str) -> Callable[[EnvFactory], EnvFactory]:
+    """Decorator: register an env factory under ``name`` (duplicates are an error)."""
+
+    def wrap(factory: EnvFactory) -> EnvFactory:
+        if name in ENVS:
+            raise ValueError(f"env {name!r} is already registered; registered envs: {sorted(ENVS)}")
+        ENVS[name] = factory
+        return factory
+
+    return wrap
+
+
+def make_env(name: str, **kwargs: Any) -> TextEnv:
+    """Instantiate a registered env; an unknown name lists the valid ones."""
+    if name not in ENVS:
+        raise KeyError(f"unknown env {name!r}; registered envs: {sorted(ENVS)}")
+    return ENVS[name](**kwargs)
+
+
+def make_scenario_env(scenario: Scenario, **env_kwargs: Any) -> tuple[TextEnv, str, dict]:
+    """Build the env of a scenario and reset it on the scenario's seed: (env, first observation, info)."""
+    env = make_env(scenario.env, **env_kwargs)
+    obs, info = env.reset(seed=scenario.seed, options=dict(scenario.options))
+    return env, obs, info
