@@ -1,0 +1,117 @@
+"""Parquet export of a round's step table: the versioned dataset DVC tracks between rollout and train.
+
+The schema is explicit (token ids as list<int32>, log-probs as list<float32>), the dataset's own metadata (round,
+policy versions, layout version) travels as JSON under the key ``arlflow`` in the Parquet schema metadata, and the
+file is written to a temporary name and renamed, so a crash never leaves a half-written file at ``path``.
+"""
+from __future__ import annotations
+
+import json
+import os
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+STEPS_SCHEMA_VERSION = 1
+"""Version of STEPS_SCHEMA; files written with a newer one are refused."""
+
+METADATA_KEY = b"arlflow"
+
+STEPS_SCHEMA = pa.schema([
+    pa.field("trajectory_id", pa.string(), nullable=False),
+    pa.field("group_id", pa.string(), nullable=False),
+    pa.field("step_index", pa.int32(), nullable=False),
+    pa.field("prompt_ids", pa.list_(pa.int32()), nullable=False),
+    pa.field("response_ids", pa.list_(pa.int32()), nullable=False),
+    pa.field("logprobs", pa.list_(pa.float32()), nullable=False),
+    pa.field("prompt_text", pa.string()),
+    pa.field("observation", pa.string()),
+    pa.field("action", pa.string()),
+    pa.field("response_text", pa.string()),
+    pa.field("reward", pa.float64()),
+    pa.field("anchor", pa.string()),
+    pa.field("policy_version", pa.string()),
+    pa.field("action_valid", pa.bool_()),
+    pa.field("truncated", pa.bool_()),
+    pa.field("skill_ids", pa.list_(pa.string())),
+    pa.field("context_manager", pa.string()),
+    pa.field("round", pa.int64()),
+    pa.field("env", pa.string()),
+    pa.field("split", pa.string()),
+    pa.field("status", pa.string()),
+    pa.field("won", pa.bool_()),
+    pa.field("episode_return", pa.float64()),
+])
+"""One row per step: the columns of ``DataPool.steps_frame``."""
+
+_LIST_COLUMNS = tuple(f.name for f in STEPS_SCHEMA if pa.types.is_list(f.type))
+
+
+class StepsFileError(ValueError):
+    """A steps Parquet file is missing, corrupt, or not an arlflow steps file."""
+
+
+def export_steps(df: pd.DataFrame, path: str | Path, *, metadata: dict[str, Any]) -> Path:
+    """Write ``df`` (exactly the STEPS_SCHEMA columns) to ``path`` atomically; ``metadata`` must be JSON-able.
+
+    ``schema_version`` and ``num_rows`` are added to the stored metadata.
+    """
+    path = Path(path)
+    columns = list(df.columns)
+    missing = [name for name in STEPS_SCHEMA.names if name not in columns]
+    unknown = [name for name in columns if name not in STEPS_SCHEMA.names]
+    if missing or unknown:
+        raise ValueError(f"cannot export steps to {path}: missing columns {missing}, unknown columns {unknown}; "
+                         f"the schema is datapool.parquet.STEPS_SCHEMA")
+    stored = {**metadata, "schema_version": STEPS_SCHEMA_VERSION, "num_rows": len(df)}
+    try:
+        meta_json = json.dumps(stored, sort_keys=True, allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"cannot export steps to {path}: metadata is not JSON-serializable ({exc})") from None
+    try:
+        table = pa.Table.from_pandas(df[STEPS_SCHEMA.names], schema=STEPS_SCHEMA, preserve_index=False)
+    except (pa.ArrowInvalid, pa.ArrowTypeError) as exc:
+        raise ValueError(f"cannot export steps to {path}: a column does not fit STEPS_SCHEMA ({exc})") from None
+    table = table.replace_schema_metadata({METADATA_KEY: meta_json.encode("utf-8")})
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
+    try:
+        pq.write_table(table, tmp)
+        with open(tmp, "rb") as handle:
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)  # atomic on POSIX and Windows: readers see the old file or the new, never half
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path
+
+
+def read_steps(path: str | Path) -> tuple[pd.DataFrame, dict[str, Any]]:
+    """Read a file written by ``export_steps``: (steps frame with list columns as Python lists, metadata)."""
+    path = Path(path)
+    if not path.is_file():
+        raise StepsFileError(f"steps file {path} missing: export the round first (DataPool.export_round)")
+    try:
+        table = pq.read_table(path)
+    except (pa.ArrowException, OSError) as exc:
+        raise StepsFileError(f"steps file {path} is corrupt or not Parquet ({exc}): re-export the round") from None
+    raw = (table.schema.metadata or {}).get(METADATA_KEY)
+    if raw is None:
+        raise StepsFileError(f"steps file {path} has no '{METADATA_KEY.decode()}' metadata: not an arlflow steps file")
+    try:
+        metadata = json.loads(raw)
+    except ValueError as exc:
+        raise StepsFileError(f"steps file {path} has unreadable metadata ({exc})") from None
+    version = metadata.get("schema_version")
+    if not isinstance(version, int) or version > STEPS_SCHEMA_VERSION:
+        raise StepsFileError(f"steps file {path} has schema version {version!r}; this arlflow reads "
+                             f"<= {STEPS_SCHEMA_VERSION}: upgrade arlflow")
+    df = table.to_pandas()
+    for name in _LIST_COLUMNS:
+        if name in df.columns:
+            df[name] = pd.Series(table.column(name).to_pylist(), index=df.index, dtype=object)
+    return df, metadata

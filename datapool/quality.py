@@ -1,0 +1,217 @@
+"""The data gate between rollout and training: great-expectations over a round's step table, plus the
+zero-variance group filter.
+
+``validate_steps`` derives scalar columns from the step table (prompt/response/log-prob lengths, distinct
+trajectories per group, ...) and checks them with a GX suite in an ephemeral context (nothing written to disk).
+Failures never raise: the ``QualityReport`` says which expectation failed, how often, with examples.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import great_expectations as gx
+import great_expectations.expectations as gxe
+import numpy as np
+import pandas as pd
+from great_expectations.data_context.types.base import ProgressBarsConfig
+
+REQUIRED_COLUMNS: tuple[str, ...] = (
+    "trajectory_id", "group_id", "step_index", "prompt_ids", "response_ids", "logprobs", "reward",
+)
+_INDEX_COLUMNS = ["trajectory_id", "step_index", "group_id"]  # identify the rows behind each example
+MAX_EXAMPLES = 5
+
+
+@dataclass(frozen=True)
+class QualityLimits:
+    max_prompt_tokens: int
+    """Longest prompt (in token ids) a step may have."""
+    max_response_tokens: int
+    """Longest response a step may have (the engine's max_new_tokens)."""
+    reward_min: float
+    reward_max: float
+    """Every step reward must be finite and within [reward_min, reward_max]."""
+    group_size: int
+    """G: each group must hold exactly this many distinct trajectories."""
+
+    def __post_init__(self) -> None:
+        if self.max_prompt_tokens < 1 or self.max_response_tokens < 1 or self.group_size < 1:
+            raise ValueError(f"QualityLimits: token limits and group_size must be >= 1, got {self}")
+        if not self.reward_min <= self.reward_max:
+            raise ValueError(f"QualityLimits: reward_min {self.reward_min} > reward_max {self.reward_max}")
+
+
+@dataclass
+class QualityReport:
+    success: bool
+    results: list[dict[str, Any]] = field(default_factory=list)
+    """One dict per expectation: expectation_type, column, success, unexpected_count, examples (<= 5)."""
+    row_count: int = 0
+    message: str = ""
+    """Why the gate failed before any expectation ran (e.g. no steps), else empty."""
+
+    @property
+    def failures(self) -> list[dict[str, Any]]:
+        return [r for r in self.results if not r["success"]]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"success": self.success, "row_count": self.row_count, "message": self.message,
+                "results": [dict(r) for r in self.results]}
+
+    def render(self) -> str:
+        """A readable report: one line per failing expectation with its count and examples."""
+        if self.message:
+            return f"data quality gate FAILED: {self.message}"
+        if self.success:
+            return f"data quality gate passed: {len(self.results)} expectations over {self.row_count} steps"
+        lines = [f"data quality gate FAILED: {len(self.failures)} of {len(self.results)} expectations "
+                 f"over {self.row_count} steps"]
+        for result in self.failures:
+            column = f" on column '{result['column']}'" if result["column"] else ""
+            lines.append(f"- {result['expectation_type']}{column}: {result['unexpected_count']} unexpected")
+            for example in result["examples"]:
+                lines.append(f"    e.g. {', '.join(f'{k}={v}' for k, v in example.items())}")
+        return "\n".join(lines)
+
+
+# -------------------------------------------------------------------------------------------- derived table
+
+def _length(value: Any) -> int:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return 0
+    return len(value)
+
+
+def _all_finite(value: Any) -> bool:
+    return bool(np.isfinite(np.asarray(value, dtype=np.float64)).all()) if _length(value) else True
+
+
+def derive_checked_columns(df: pd.DataFrame) -> pd.DataFrame:
+    """Scalar columns the suite checks, one row per step."""
+    derived = pd.DataFrame({
+        "trajectory_id": df["trajectory_id"].astype(object),
+        "group_id": df["group_id"].astype(object),
+        "step_index": df["step_index"],
+        "prompt_len": df["prompt_ids"].map(_length).astype("int64"),
+        "response_len": df["response_ids"].map(_length).astype("int64"),
+        "logprob_len": df["logprobs"].map(_length).astype("int64"),
+        "logprobs_finite": df["logprobs"].map(_all_finite).astype(bool),
+        "reward": pd.to_numeric(df["reward"], errors="coerce").astype("float64"),
+    })
+    derived["logprob_len_mismatch"] = (derived["logprob_len"] - derived["response_len"]).abs()
+    # distinct trajectories per group; a row whose group_id is null gets 0 (never a valid group size)
+    per_group = derived.groupby("group_id", dropna=True)["trajectory_id"].transform("nunique")
+    derived["group_trajectories"] = per_group.fillna(0).astype("int64")
+    return derived.reset_index(drop=True)
+
+
+def _suite(limits: QualityLimits) -> gx.ExpectationSuite:
+    suite = gx.ExpectationSuite(name="arlflow_steps")
+    for expectation in (
+        gxe.ExpectColumnValuesToNotBeNull(column="trajectory_id"),
+        gxe.ExpectColumnValuesToNotBeNull(column="group_id"),
+        gxe.ExpectColumnValuesToBeBetween(column="prompt_len", min_value=1, max_value=limits.max_prompt_tokens),
+        gxe.ExpectColumnValuesToBeBetween(column="response_len", min_value=1,
+                                          max_value=limits.max_response_tokens),
+        gxe.ExpectColumnValuesToBeInSet(column="logprob_len_mismatch", value_set=[0]),
+        gxe.ExpectColumnValuesToBeInSet(column="logprobs_finite", value_set=[True]),
+        gxe.ExpectColumnValuesToNotBeNull(column="reward"),
+        # NaN counts as missing for "between" (caught above); +-inf is outside any finite range
+        gxe.ExpectColumnValuesToBeBetween(column="reward", min_value=limits.reward_min, max_value=limits.reward_max),
+        gxe.ExpectColumnValuesToBeInSet(column="group_trajectories", value_set=[limits.group_size]),
+    ):
+        suite.add_expectation(expectation)
+    return suite
+
+
+def _plain(value: Any) -> Any:
+    """JSON-friendly scalar: numpy types to Python, non-finite floats to strings."""
+    if isinstance(value, np.generic):
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    return value
+
+
+def _examples(result: dict[str, Any], column: str | None, derived: pd.DataFrame) -> list[dict[str, Any]]:
+    examples: list[dict[str, Any]] = []
+    seen: set[tuple] = set()
+    for row in result.get("unexpected_index_list") or []:
+        if isinstance(row, dict):
+            position = row.get("index")
+            example = {k: _plain(v) for k, v in row.items() if k != "index"}
+        else:  # a bare row index
+            position, example = row, {}
+        if column and isinstance(position, (int, np.integer)) and 0 <= position < len(derived):
+            example[column] = _plain(derived.at[int(position), column])
+        key = tuple(example.items()) if column != "group_trajectories" else (example.get("group_id"),)
+        if key not in seen:
+            seen.add(key)
+            examples.append(example)
+        if len(examples) == MAX_EXAMPLES:
+            break
+    if not examples:
+        examples = [{column or "value": _plain(v)} for v in (result.get("partial_unexpected_list") or [])]
+    return examples[:MAX_EXAMPLES]
+
+
+def validate_steps(df: pd.DataFrame, limits: QualityLimits, *, round: int | None = None) -> QualityReport:
+    """Run the step-table suite on ``df`` (from ``DataPool.steps_frame`` or ``read_steps``).
+
+    ``round`` only names the round in messages. An empty frame fails ("no steps for round N").
+    """
+    missing = [name for name in REQUIRED_COLUMNS if name not in df.columns]
+    if missing:
+        raise ValueError(f"validate_steps: the step table lacks columns {missing}; "
+                         f"pass a frame from DataPool.steps_frame or datapool.parquet.read_steps")
+    if len(df) == 0:
+        where = f"round {round}" if round is not None else "this round"
+        return QualityReport(success=False, row_count=0, message=f"no steps for {where}: did the rollout run?",
+                             results=[{"expectation_type": "expect_table_row_count_to_be_between", "column": None,
+                                       "success": False, "unexpected_count": 0, "examples": []}])
+    derived = derive_checked_columns(df)
+
+    context = gx.get_context(mode="ephemeral")
+    context.enable_analytics(False)  # never phone home from a training cluster
+    context.variables.progress_bars = ProgressBarsConfig(globally=False)  # no tqdm bar per validation
+    batch_definition = (context.data_sources.add_pandas("steps")
+                        .add_dataframe_asset("steps")
+                        .add_batch_definition_whole_dataframe("round"))
+    batch = batch_definition.get_batch(batch_parameters={"dataframe": derived})
+    validation = batch.validate(_suite(limits), result_format={
+        "result_format": "COMPLETE", "unexpected_index_column_names": _INDEX_COLUMNS,
+        "partial_unexpected_count": MAX_EXAMPLES,
+    })
+
+    results = []
+    for item in validation.results:
+        config = item.expectation_config
+        column = config.kwargs.get("column")
+        result = item.result or {}
+        results.append({
+            "expectation_type": config.type,
+            "column": column,
+            "success": bool(item.success),
+            "unexpected_count": int(result.get("unexpected_count") or 0),
+            "examples": [] if item.success else _examples(result, column, derived),
+        })
+    return QualityReport(success=bool(validation.success), results=results, row_count=len(derived))
+
+
+def drop_zero_variance_groups(df: pd.DataFrame) -> tuple[pd.DataFrame, dict[str, int]]:
+    """Drop every group whose trajectories all have the same episode_return (zero GRPO advantage signal).
+
+    A group with a single trajectory has no variance and is dropped too. Returns (kept rows, stats with
+    groups_total, groups_dropped, steps_dropped).
+    """
+    for name in ("group_id", "trajectory_id", "episode_return"):
+        if name not in df.columns:
+            raise ValueError(f"drop_zero_variance_groups: the step table lacks column {name!r}")
+    returns = df.drop_duplicates("trajectory_id")[["group_id", "episode_return"]]
+    spread = returns.groupby("group_id", dropna=False)["episode_return"].agg(lambda r: r.max() - r.min())
+    zero = set(spread.index[~(spread > 0)])  # NaN spread (all-NaN returns) counts as no signal
+    dropped = df["group_id"].isin(zero)
+    stats = {"groups_total": int(len(spread)), "groups_dropped": int(len(zero)), "steps_dropped": int(dropped.sum())}
+    return df.loc[~dropped].reset_index(drop=True), stats

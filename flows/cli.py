@@ -1,0 +1,83 @@
+"""`arlflow`: run the pipeline or one stage (dvc.yaml calls `arlflow stage NAME [--round N]`)."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from flows import dvc_sync
+from flows.pipeline import STAGE_FLOWS, pipeline_flow
+from flows.stages import check_stage
+from tasks.config import ParamsError, load_params
+from tasks.layout import Layout
+
+app = typer.Typer(help="arlflow: train multi-turn LLM agents with RL, as a versioned, tracked pipeline.",
+                  no_args_is_help=True, pretty_exceptions_enable=False)
+
+
+def _load(root: Path):
+    layout = Layout(root.resolve())
+    try:
+        return layout, load_params(layout.root / "params.yaml")
+    except ParamsError as err:
+        typer.secho(f"error: {err}", fg=typer.colors.RED, err=True)
+        raise typer.Exit(2) from err
+
+
+@app.command()
+def stage(name: str = typer.Argument(..., help="bootstrap, warmstart, rollout, validate, mine, train, evaluate, "
+                                              "transfer"),
+          round: Optional[int] = typer.Option(None, "--round", help="round number for rollout/validate/mine/train"),
+          root: Path = typer.Option(Path("."), help="project root (holds params.yaml)")) -> None:
+    """Run one stage as its Prefect flow (what each dvc.yaml stage calls)."""
+    layout, params = _load(root)
+    try:
+        check_stage(name, round, params)
+    except ValueError as err:
+        typer.secho(f"error: {err}", fg=typer.colors.RED, err=True)
+        raise typer.Exit(2) from err
+    STAGE_FLOWS[name](root=str(layout.root), round_index=round)
+
+
+@app.command()
+def pipeline(root: Path = typer.Option(Path("."), help="project root (holds params.yaml and dvc.yaml)"),
+             force: bool = typer.Option(False, help="rerun every stage even if DVC sees it up to date")) -> None:
+    """Run the whole pipeline as one Prefect flow (stages DVC sees as fresh are skipped)."""
+    layout, params = _load(root)
+    try:
+        dvc_sync.check_dvc_yaml(params, layout)
+    except RuntimeError as err:
+        typer.secho(f"error: {err}", fg=typer.colors.RED, err=True)
+        raise typer.Exit(2) from err
+    result = pipeline_flow(root=str(layout.root), force=force)
+    typer.echo(f"ran: {', '.join(result['ran']) or 'nothing'}; skipped: {', '.join(result['skipped']) or 'nothing'}")
+
+
+@app.command("dvc-yaml")
+def dvc_yaml(root: Path = typer.Option(Path(".")),
+             check: bool = typer.Option(False, help="exit 1 if dvc.yaml is out of date instead of writing it")) -> None:
+    """Write dvc.yaml from params.yaml (one unrolled set of stages per round)."""
+    layout, params = _load(root)
+    text = dvc_sync.render_dvc_yaml(params, layout)
+    path = layout.root / "dvc.yaml"
+    if check:
+        if not path.exists() or path.read_text() != text:
+            typer.echo(f"{path} is out of date: run `arlflow dvc-yaml`", err=True)
+            raise typer.Exit(1)
+        typer.echo(f"{path} is up to date")
+        return
+    path.write_text(text)
+    typer.echo(f"wrote {path} ({params.pipeline.rounds} rounds)")
+
+
+@app.command("check-params")
+def check_params(root: Path = typer.Option(Path("."))) -> None:
+    """Validate params.yaml and print the resolved values."""
+    _, params = _load(root)
+    typer.echo(params)
+
+
+def main() -> None:  # pragma: no cover - console entry
+    sys.exit(app())

@@ -1,0 +1,54 @@
+"""The stage table: which function runs each stage, in which order, and the single entry both DVC and Prefect use."""
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from tasks import bootstrap, evaluate, mine, rollout, train, transfer, validate, warmstart
+from tasks.config import Params
+from tasks.layout import Layout
+from tasks.tracking import log_metrics, stage_run
+
+ROUND_STAGES = ("rollout", "validate", "mine", "train")
+STAGE_FUNCTIONS: dict[str, Callable[..., dict[str, Any]]] = {
+    "bootstrap": bootstrap.run,
+    "warmstart": warmstart.run,
+    "rollout": rollout.run,
+    "validate": validate.run,
+    "mine": mine.run,
+    "train": train.run,
+    "evaluate": evaluate.run,
+    "transfer": transfer.run,
+}
+
+
+def dvc_stage_name(stage: str, round_index: int | None) -> str:
+    return stage if round_index is None else f"{stage}_{round_index}"
+
+
+def stage_sequence(rounds: int) -> list[tuple[str, int | None]]:
+    """(stage, round) in pipeline order, rounds unrolled."""
+    sequence: list[tuple[str, int | None]] = [("bootstrap", None), ("warmstart", None)]
+    sequence += [(stage, r) for r in range(1, rounds + 1) for stage in ROUND_STAGES]
+    return sequence + [("evaluate", None), ("transfer", None)]
+
+
+def check_stage(stage: str, round_index: int | None, params: Params) -> None:
+    if stage not in STAGE_FUNCTIONS:
+        raise ValueError(f"unknown stage {stage!r}; stages: {list(STAGE_FUNCTIONS)}")
+    if stage in ROUND_STAGES:
+        if round_index is None or not 1 <= round_index <= params.pipeline.rounds:
+            raise ValueError(f"stage {stage!r} needs --round N with 1 <= N <= pipeline.rounds "
+                             f"({params.pipeline.rounds})")
+    elif round_index is not None:
+        raise ValueError(f"stage {stage!r} takes no --round")
+
+
+def execute_stage(stage: str, round_index: int | None, params: Params, layout: Layout) -> dict[str, Any]:
+    """Run one stage function inside its MLflow stage run: the one code path of every stage."""
+    check_stage(stage, round_index, params)
+    function = STAGE_FUNCTIONS[stage]
+    with stage_run(layout, params, stage, round_index):
+        metrics = function(params, layout) if round_index is None else function(params, layout, round_index)
+        log_metrics(metrics)
+    return metrics

@@ -1,0 +1,51 @@
+"""Name -> function registries for the estimators and losses that params.yaml selects by string."""
+from __future__ import annotations
+
+from typing import Callable, TypeVar
+
+F = TypeVar("F", bound=Callable)
+
+
+class Registry:
+    """A mapping from names to functions that share one signature.
+
+    >>> SQUARES = Registry("square")
+    >>> @SQUARES.register("plain")
+    ... def plain(x): return x * x
+    >>> SQUARES["plain"](3)
+    9
+    """
+
+    def __init__(self, kind: str):
+        self.kind = kind
+        self._entries: dict[str, Callable] = {}
+
+    def register(self, name: str) -> Callable[[F], F]:
+        """Decorator that registers a function under `name`; a name already taken raises ValueError."""
+
+        def decorator(fn: F) -> F:
+            if name in self._entries:
+                raise ValueError(
+                    f"{self.kind} {name!r} is already registered (by {self._entries[name].__qualname__}); "
+                    f"pick another name. Registered: {', '.join(self.names())}"
+                )
+            self._entries[name] = fn
+            return fn
+
+        return decorator
+
+    def __getitem__(self, name: str) -> Callable:
+        try:
+            return self._entries[name]
+        except KeyError:
+            raise KeyError(f"unknown {self.kind} {name!r}; valid names: {', '.join(self.names()) or '(none)'}") from None
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._entries
+
+    def names(self) -> list[str]:
+        """Registered names, sorted."""
+        return sorted(self._entries)
+
+    def __repr__(self) -> str:
+        return f"Registry({self.kind!r}, names={self.names()})"

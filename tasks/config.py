@@ -1,0 +1,243 @@
+"""params.yaml: one section per stage, each mapped to a frozen dataclass; one strict loader.
+
+The loader rejects unknown sections and keys and wrong types with an error that names the section, the key and the
+valid keys, before any stage writes anything.
+"""
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+class ParamsError(ValueError):
+    """params.yaml is malformed: the message says which section/key and what is valid."""
+
+
+@dataclass(frozen=True)
+class EnvConfig:
+    name: str = "frozenlake"
+    """Registered env name (see envs.ENVS)."""
+    size: int = 4
+    """FrozenLake grid side."""
+    p_frozen: float = 0.8
+    """Probability that a generated cell is frozen (walkable)."""
+    max_steps: int = 12
+    """Turn limit of an episode (the env truncates after it)."""
+    is_slippery: bool = False
+    """Stochastic transitions (gymnasium's slippery ice)."""
+    invalid_penalty: float = 0.1
+    """Reward subtracted for a response that is not a valid action (ALGORITHMS.md section 3)."""
+
+
+@dataclass(frozen=True)
+class PipelineConfig:
+    rounds: int = 3
+    """Number of rollout -> validate -> mine -> train rounds (unrolled in dvc.yaml: `arlflow dvc-yaml` rewrites it)."""
+    seed: int = 0
+    """Global seed: scenario splits, model init, sampling and data order derive from it."""
+    experiment: str = "arlflow"
+    """MLflow experiment name."""
+    registered_model: str = "arlflow-policy"
+    """MLflow registered model name for the round policies."""
+
+
+@dataclass(frozen=True)
+class BootstrapConfig:
+    model: str = ""
+    """Path to a Hugging Face model folder to use as the base policy; empty builds the tiny local model."""
+    arch: str = "qwen2"
+    """Architecture of the tiny model: qwen2 or llama."""
+    vocab_size: int = 384
+    hidden_size: int = 128
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    intermediate_size: int = 384
+    max_position_embeddings: int = 512
+    tokenizer_corpus_episodes: int = 400
+    """Expert and random episodes whose prompts and actions train the BPE tokenizer."""
+    train_scenarios: int = 512
+    heldout_scenarios: int = 200
+
+
+@dataclass(frozen=True)
+class WarmstartConfig:
+    enabled: bool = True
+    """False skips SFT (the warm-start policy is then the base policy)."""
+    demo_scenarios: int = 512
+    """Train scenarios whose expert trajectories are the SFT data."""
+    epochs: int = 2
+    lr: float = 0.001
+    micro_batch_size: int = 64
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    scenarios_per_round: int = 64
+    """Train scenarios sampled (without replacement, per round) for this round's groups."""
+    group_size: int = 8
+    """G: rollouts per scenario."""
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: int = 4
+    history_turns: int = 0
+    """Earlier (state, action) turns kept in the prompt (window context manager); 0 = current state only."""
+    use_skills: bool = True
+    """Put the skill retrieved from the previous round's bank in the prompt's skill slot."""
+    step_timeout_s: float = 10.0
+    pool_url: str = ""
+    """SQLAlchemy URL of the data pool; empty = sqlite under data/pool.db (WAL)."""
+
+
+@dataclass(frozen=True)
+class ValidateConfig:
+    max_prompt_tokens: int = 256
+    max_response_tokens: int = 8
+    reward_min: float = -1.0
+    reward_max: float = 1.0
+    drop_zero_variance: bool = True
+    """Drop groups whose returns are all equal (no GRPO signal); counted in metrics."""
+
+
+@dataclass(frozen=True)
+class MineConfig:
+    min_length: int = 2
+    max_length: int = 4
+    min_support: float = 0.2
+    top_k: int = 5
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    advantage: str = "grpo"
+    """Advantage estimator (models.advantages.ADVANTAGES)."""
+    loss: str = "ppo_clip"
+    """Policy loss (models.losses.LOSSES)."""
+    lr: float = 0.0005
+    epochs: int = 2
+    micro_batch_size: int = 64
+    clip_low: float = 0.2
+    clip_high: float = 0.28
+    zero_stage: int = 0
+    """DeepSpeed ZeRO stage (infra/deepspeed/zero{N}.json)."""
+
+
+@dataclass(frozen=True)
+class EvaluateConfig:
+    temperature: float = 0.0
+    """0 = greedy decoding on held-out scenarios."""
+    skills_k: int = 1
+
+
+@dataclass(frozen=True)
+class TransferConfig:
+    arch: str = "llama"
+    """Architecture of the second tiny model, warm-started like the policy."""
+    hidden_size: int = 128
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    intermediate_size: int = 384
+
+
+@dataclass(frozen=True)
+class Params:
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
+    bootstrap: BootstrapConfig = field(default_factory=BootstrapConfig)
+    warmstart: WarmstartConfig = field(default_factory=WarmstartConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    validate: ValidateConfig = field(default_factory=ValidateConfig)
+    mine: MineConfig = field(default_factory=MineConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    evaluate: EvaluateConfig = field(default_factory=EvaluateConfig)
+    transfer: TransferConfig = field(default_factory=TransferConfig)
+
+
+SECTIONS: dict[str, type] = {f.name: typing.get_type_hints(Params)[f.name] for f in dataclasses.fields(Params)}
+
+
+def _coerce(section: str, key: str, expected: Any, value: Any) -> Any:
+    """Check one value against its annotated type (int accepted for float; bool never accepted for int)."""
+    ok: bool
+    if expected is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        value = float(value) if ok else value
+    elif expected is int:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    elif expected is bool:
+        ok = isinstance(value, bool)
+    elif expected is str:
+        ok = isinstance(value, str)
+    else:
+        ok = True
+    if not ok:
+        name = getattr(expected, "__name__", str(expected))
+        raise ParamsError(f"params.yaml: {section}.{key} must be {name}, got {value!r} ({type(value).__name__})")
+    return value
+
+
+def _build_section(section: str, cls: type, raw: Any) -> Any:
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ParamsError(f"params.yaml: section {section!r} must be a mapping of keys, got {type(raw).__name__}")
+    hints = typing.get_type_hints(cls)
+    valid = [f.name for f in dataclasses.fields(cls)]
+    unknown = sorted(set(raw) - set(valid))
+    if unknown:
+        raise ParamsError(f"params.yaml: unknown key(s) {unknown} in section {section!r}; valid keys: {valid}")
+    values = {key: _coerce(section, key, hints[key], value) for key, value in raw.items()}
+    return cls(**values)
+
+
+def parse_params(raw: Any) -> Params:
+    """Build Params from a parsed YAML mapping; every problem raises ParamsError naming section and key."""
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ParamsError("params.yaml must be a mapping of sections")
+    unknown = sorted(set(raw) - set(SECTIONS))
+    if unknown:
+        raise ParamsError(f"params.yaml: unknown section(s) {unknown}; valid sections: {list(SECTIONS)}")
+    params = Params(**{name: _build_section(name, cls, raw.get(name)) for name, cls in SECTIONS.items()})
+    check_params(params)
+    return params
+
+
+def check_params(params: Params) -> None:
+    """Reject combinations that cannot run, saying how to fix them."""
+    if params.pipeline.rounds < 1:
+        raise ParamsError("params.yaml: pipeline.rounds must be >= 1")
+    if params.rollout.group_size < 2:
+        raise ParamsError("params.yaml: rollout.group_size must be >= 2 (group-normalized advantages need a group)")
+    if params.bootstrap.arch not in ("qwen2", "llama"):
+        raise ParamsError(f"params.yaml: bootstrap.arch must be one of ['qwen2', 'llama'], got {params.bootstrap.arch!r}")
+    if params.transfer.arch not in ("qwen2", "llama"):
+        raise ParamsError(f"params.yaml: transfer.arch must be one of ['qwen2', 'llama'], got {params.transfer.arch!r}")
+    if params.train.zero_stage not in (0, 1, 2, 3):
+        raise ParamsError(f"params.yaml: train.zero_stage must be 0-3, got {params.train.zero_stage}")
+    if params.rollout.scenarios_per_round > params.bootstrap.train_scenarios:
+        raise ParamsError("params.yaml: rollout.scenarios_per_round exceeds bootstrap.train_scenarios; lower it or "
+                          "raise bootstrap.train_scenarios")
+
+
+def load_params(path: str | Path = "params.yaml") -> Params:
+    """Read and validate params.yaml (missing file or bad YAML -> ParamsError saying so)."""
+    path = Path(path)
+    if not path.exists():
+        raise ParamsError(f"{path} not found: run from the repository root or pass --params PATH")
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as err:
+        raise ParamsError(f"{path} is not valid YAML: {err}") from err
+    return parse_params(raw)
+
+
+def params_to_dict(params: Params) -> dict[str, dict[str, Any]]:
+    return dataclasses.asdict(params)

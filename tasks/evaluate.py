@@ -1,0 +1,61 @@
+"""evaluate: held-out scenarios for the base, warm-start, every round's and the final policy (also with skills)."""
+from __future__ import annotations
+
+import csv
+from typing import Any
+
+from tasks.common import evaluate_policy, load_engine, load_skills, read_json, read_scenarios, seed_everything, write_json
+from tasks.config import Params
+from tasks.layout import Layout
+from tasks.tracking import log_metrics, set_champion
+
+SUMMARY_KEYS = ("success_rate", "mean_return", "mean_steps", "mean_response_tokens", "episodes")
+
+
+def _subset(summary: dict[str, Any]) -> dict[str, Any]:
+    return {key: summary[key] for key in SUMMARY_KEYS} | {k: v for k, v in summary.items() if k not in SUMMARY_KEYS}
+
+
+def run(params: Params, layout: Layout) -> dict[str, Any]:
+    seed_everything(params.pipeline.seed)
+    rounds = params.pipeline.rounds
+    heldout = read_scenarios(layout, "heldout")
+    final_skills = load_skills(layout.skills(rounds))
+    policies = [("base", "base", "bootstrap"), ("warmstart", "warmstart", "warmstart")]
+    policies += [(f"round_{r}", f"round_{r}", f"train_{r}") for r in range(1, rounds + 1)]
+
+    results: dict[str, dict[str, Any]] = {}
+    for label, folder, producer in policies:
+        engine = load_engine(layout.policy(folder), folder, producer)
+        results[label], _ = evaluate_policy(engine, heldout, params, label=label)
+        if label == f"round_{rounds}":
+            results["final_with_skills"], _ = evaluate_policy(engine, heldout, params, skills=final_skills,
+                                                              label="final_with_skills")
+            results["final_with_skills"]["skills_in_bank"] = len(final_skills)
+    results["final"] = results[f"round_{rounds}"]
+    heldout_metrics = {key: _subset(results[key]) for key in ("base", "warmstart", "final", "final_with_skills")}
+    per_round = {f"round_{r}": _subset(results[f"round_{r}"]) for r in range(1, rounds + 1)}
+    write_json(layout.evaluate_metrics, {"heldout": heldout_metrics, "rounds": per_round,
+                                         "heldout_scenarios": len(heldout), "seed": params.pipeline.seed})
+
+    rows = []
+    for r in range(0, rounds + 1):
+        label = "warmstart" if r == 0 else f"round_{r}"
+        rollout = read_json(layout.round_metrics(r, "rollout"), f"rollout_{r}") if r > 0 else {}
+        rows.append({"round": r, "heldout_success_rate": results[label]["success_rate"],
+                     "heldout_mean_return": results[label]["mean_return"],
+                     "train_success_rate": rollout.get("success_rate", ""),
+                     "train_mean_return": rollout.get("mean_return", "")})
+        log_metrics({"heldout_success_rate": results[label]["success_rate"],
+                     "heldout_mean_return": results[label]["mean_return"]}, step=r)
+    layout.rounds_plot.parent.mkdir(parents=True, exist_ok=True)
+    with layout.rounds_plot.open("w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+
+    for key, summary in heldout_metrics.items():
+        log_metrics(summary, prefix=f"{key}.")
+    best_round = max(range(1, rounds + 1), key=lambda r: (results[f"round_{r}"]["success_rate"], r))
+    champion = set_champion(params.pipeline.registered_model, str(best_round))
+    return {"heldout": heldout_metrics, "champion_round": best_round, "champion_version": champion}

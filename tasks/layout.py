@@ -1,0 +1,83 @@
+"""Where each stage reads and writes, relative to the project root (the same paths dvc.yaml lists)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+
+class MissingInputError(FileNotFoundError):
+    """A stage input is absent: the message names the stage that produces it."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    root: Path
+
+    @property
+    def scenarios_dir(self) -> Path:
+        return self.root / "data" / "scenarios"
+
+    def scenarios(self, split: str) -> Path:
+        return self.scenarios_dir / f"{split}.jsonl"
+
+    def policy(self, name: str) -> Path:
+        """Policy folders: base, warmstart, round_1..round_R, transfer_<arch>."""
+        return self.root / "artifacts" / "policies" / name
+
+    def round_policy(self, round_index: int) -> Path:
+        """The policy that rollout of round r uses: the warm start for r = 1, else round r-1's."""
+        return self.policy("warmstart" if round_index == 1 else f"round_{round_index - 1}")
+
+    def round_dir(self, round_index: int) -> Path:
+        return self.root / "data" / "rounds" / f"round_{round_index}"
+
+    def steps(self, round_index: int) -> Path:
+        return self.round_dir(round_index) / "steps.parquet"
+
+    def validated(self, round_index: int) -> Path:
+        return self.round_dir(round_index) / "validated.parquet"
+
+    def skills(self, round_index: int) -> Path:
+        return self.root / "artifacts" / "skills" / f"round_{round_index}"
+
+    @property
+    def metrics_dir(self) -> Path:
+        return self.root / "metrics"
+
+    def round_metrics(self, round_index: int, stage: str) -> Path:
+        return self.metrics_dir / "rounds" / f"round_{round_index}" / f"{stage}.json"
+
+    @property
+    def evaluate_metrics(self) -> Path:
+        return self.metrics_dir / "evaluate.json"
+
+    @property
+    def rounds_plot(self) -> Path:
+        return self.metrics_dir / "plots" / "rounds.csv"
+
+    @property
+    def transfer_metrics(self) -> Path:
+        return self.metrics_dir / "transfer.json"
+
+    @property
+    def pool_url(self) -> str:
+        return f"sqlite:///{self.root / 'data' / 'pool.db'}"
+
+    @property
+    def prefect_home(self) -> Path:
+        return self.root / ".prefect"
+
+    @property
+    def mlflow_uri(self) -> str:
+        return f"sqlite:///{self.root / 'mlflow.db'}"
+
+    @property
+    def mlflow_artifacts(self) -> Path:
+        return self.root / "mlartifacts"
+
+
+def require(path: Path, produced_by: str) -> Path:
+    """Return path if it exists, else raise an error saying which stage makes it."""
+    if not path.exists():
+        raise MissingInputError(f"{path} missing: run `dvc repro {produced_by}` (or `arlflow pipeline`) first")
+    return path

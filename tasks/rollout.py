@@ -1,0 +1,70 @@
+"""rollout: G rollouts per train scenario with the current policy; every step into the data pool; Parquet export."""
+from __future__ import annotations
+
+import random
+import time
+import uuid
+from dataclasses import replace
+from typing import Any
+
+from agents.rollout import run_episodes, summarize
+from datapool.parquet import export_steps
+from datapool.records import TrajectoryRecord
+from datapool.store import DataPool
+from models.engine import SamplingParams
+from tasks.common import env_kwargs, load_engine, load_skills, read_scenarios, seed_everything, skill_slot, write_json
+from tasks.config import Params
+from tasks.layout import Layout
+
+
+def policy_version(round_index: int) -> str:
+    return "warmstart" if round_index == 1 else f"round_{round_index - 1}"
+
+
+def tag_attempt(trajectories: list[TrajectoryRecord], attempt: str) -> list[TrajectoryRecord]:
+    """Make trajectory ids unique per stage attempt, so a rerun (other params, same policy) never collides."""
+    tagged = []
+    for traj in trajectories:
+        new_id = f"{attempt}/{traj.trajectory_id}"
+        steps = [replace(step, trajectory_id=new_id) for step in traj.steps]
+        tagged.append(replace(traj, trajectory_id=new_id, steps=steps,
+                              metadata={**traj.metadata, "attempt": attempt}))
+    return tagged
+
+
+def run(params: Params, layout: Layout, round_index: int) -> dict[str, Any]:
+    cfg = params.rollout
+    seed = params.pipeline.seed * 1000 + round_index
+    seed_everything(seed)
+    version = policy_version(round_index)
+    engine = load_engine(layout.round_policy(round_index), version,
+                         "warmstart" if round_index == 1 else f"train_{round_index - 1}")
+    train = read_scenarios(layout, "train")
+    scenarios = random.Random(seed).sample(train, cfg.scenarios_per_round)
+    skills = load_skills(layout.skills(round_index - 1)) if cfg.use_skills and round_index > 1 else []
+
+    started = time.perf_counter()
+    trajectories = run_episodes(engine, engine.tokenizer, scenarios, group_size=cfg.group_size,
+                                sampling=SamplingParams(max_new_tokens=cfg.max_new_tokens,
+                                                        temperature=cfg.temperature, top_p=cfg.top_p, seed=seed),
+                                round_index=round_index, history_turns=cfg.history_turns,
+                                skills_for=skill_slot(skills, params.evaluate.skills_k),
+                                env_kwargs=env_kwargs(params.env), step_timeout_s=cfg.step_timeout_s, seed=seed)
+    elapsed = time.perf_counter() - started
+    attempt = uuid.uuid4().hex[:8]
+    trajectories = tag_attempt(trajectories, attempt)
+
+    with DataPool(cfg.pool_url or layout.pool_url) as pool:
+        pool.add_trajectories(trajectories)
+        frame = pool.steps_frame(round=round_index)
+    frame = frame[frame["trajectory_id"].str.startswith(f"{attempt}/")]
+    out = layout.steps(round_index)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    export_steps(frame, out, metadata={"round": round_index, "policy_version": version, "attempt": attempt})
+
+    metrics = summarize(trajectories)
+    tokens = sum(t.response_tokens for t in trajectories)
+    metrics.update({"round": round_index, "steps": len(frame), "wall_time_s": elapsed,
+                    "sampled_tokens_per_s": tokens / max(elapsed, 1e-9), "skills_in_prompt": len(skills) > 0})
+    write_json(layout.round_metrics(round_index, "rollout"), metrics)
+    return metrics

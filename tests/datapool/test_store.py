@@ -1,0 +1,222 @@
+"""DataPool: round trips, idempotency, validation before writing, schema version, SQLite settings."""
+from __future__ import annotations
+
+import math
+import tempfile
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from sqlalchemy import text
+
+from datapool.parquet import read_steps
+from datapool.records import StepRecord, TrajectoryRecord
+from datapool.store import SCHEMA_VERSION, DataPool, SchemaVersionError, decode_ids, encode_ids
+
+
+def make_traj(tid: str, group: str = "g0", *, round: int = 1, env: str = "frozenlake", split: str = "train",
+              steps: int = 2, episode_return: float = 1.0) -> TrajectoryRecord:
+    records = [
+        StepRecord(trajectory_id=tid, group_id=group, step_index=k, prompt_ids=[1, 2, 3 + k], response_ids=[7, 8],
+                   logprobs=[-0.5, -1.25], prompt_text=f"prompt {k}", observation=f"obs {k}", action="right",
+                   response_text=" right", reward=0.25 * k, anchor=f"({k}, 0)", policy_version="v1",
+                   skill_ids=["seq-right-down"] if k else [])
+        for k in range(steps)
+    ]
+    return TrajectoryRecord(trajectory_id=tid, group_id=group, scenario='{"env": "frozenlake", "seed": 3}', env=env,
+                            split=split, round=round, policy_version="v1", status="complete",
+                            episode_return=episode_return, won=True, num_steps=steps, response_tokens=2 * steps,
+                            wall_time_s=0.5, metadata={"seed": 3, "tags": ["a"]}, steps=records)
+
+
+@pytest.fixture
+def pool(tmp_path: Path):
+    with DataPool(f"sqlite:///{tmp_path / 'pool.db'}") as p:
+        yield p
+
+
+def test_round_trip_of_trajectories_and_steps(pool: DataPool) -> None:
+    assert pool.add_trajectories([make_traj("t0"), make_traj("t1", steps=3)]) == 2
+    assert pool.counts() == {"trajectories": 2, "steps": 5}
+
+    trajs = pool.trajectories_frame()
+    assert list(trajs["trajectory_id"]) == ["t0", "t1"]
+    row = trajs.iloc[1]
+    assert row["metadata"] == {"seed": 3, "tags": ["a"]}
+    assert row["num_steps"] == 3 and bool(row["won"]) and row["error"] is None
+
+    steps = pool.steps_frame()
+    assert list(zip(steps["trajectory_id"], steps["step_index"])) == [("t0", 0), ("t0", 1), ("t1", 0), ("t1", 1),
+                                                                       ("t1", 2)]
+    first = steps.iloc[2]
+    assert first["prompt_ids"] == [1, 2, 3] and all(type(i) is int for i in first["prompt_ids"])
+    assert first["response_ids"] == [7, 8]
+    assert first["logprobs"] == [-0.5, -1.25]  # exact in float32
+    assert steps.iloc[3]["skill_ids"] == ["seq-right-down"]
+    # joined trajectory columns
+    assert {"round", "env", "split", "status", "won", "episode_return", "group_id"} <= set(steps.columns)
+    assert set(steps["status"]) == {"complete"}
+
+
+def test_filters(pool: DataPool) -> None:
+    pool.add_trajectories([make_traj("a", round=1), make_traj("b", round=2, env="maze"),
+                           make_traj("c", round=2, split="heldout")])
+    assert list(pool.trajectories_frame(round=2)["trajectory_id"]) == ["b", "c"]
+    assert list(pool.trajectories_frame(env="maze")["trajectory_id"]) == ["b"]
+    assert list(pool.trajectories_frame(round=2, split="heldout")["trajectory_id"]) == ["c"]
+    assert set(pool.steps_frame(round=2, env="frozenlake")["trajectory_id"]) == {"c"}
+    empty = pool.steps_frame(round=9)
+    assert len(empty) == 0 and "prompt_ids" in empty.columns and "episode_return" in empty.columns
+
+
+def test_add_is_idempotent_on_trajectory_id(pool: DataPool) -> None:
+    assert pool.add_trajectories([make_traj("t0")]) == 1
+    assert pool.add_trajectories([make_traj("t0")]) == 0
+    assert pool.add_trajectories([make_traj("t0"), make_traj("t1")]) == 1
+    assert pool.add_trajectories([]) == 0
+    assert pool.counts() == {"trajectories": 2, "steps": 4}
+
+
+def _bad(field_path: str):
+    """A trajectory broken at ``field_path`` (trajectory field, or 'step.<field>')."""
+    traj = make_traj("bad")
+    if field_path == "step.logprobs":
+        traj.steps[1].logprobs = [-0.5]
+    elif field_path == "status":
+        traj.status = "exploded"
+    elif field_path == "step.reward":
+        traj.steps[0].reward = float("nan")
+    elif field_path == "step.group_id":
+        traj.steps[0].group_id = "other"
+    elif field_path == "step.step_index":
+        traj.steps[1].step_index = 0
+    elif field_path == "step.prompt_ids":
+        traj.steps[0].prompt_ids = [1, 2**31]
+    elif field_path == "step.response_ids":
+        traj.steps[0].response_ids = [1.5, 2.0]
+    elif field_path == "metadata":
+        traj.metadata = {"x": object()}
+    elif field_path == "round":
+        traj.round = -1
+    return traj
+
+
+@pytest.mark.parametrize("field_path", ["step.logprobs", "status", "step.reward", "step.group_id", "step.step_index",
+                                        "step.prompt_ids", "step.response_ids", "metadata", "round"])
+def test_invalid_record_names_trajectory_and_field_and_writes_nothing(pool: DataPool, field_path: str) -> None:
+    with pytest.raises(ValueError) as err:
+        pool.add_trajectories([make_traj("good"), _bad(field_path)])
+    message = str(err.value)
+    assert "'bad'" in message and f"'{field_path.split('.')[-1]}'" in message
+    assert pool.counts() == {"trajectories": 0, "steps": 0}
+
+
+def test_duplicate_id_in_one_batch_is_rejected(pool: DataPool) -> None:
+    with pytest.raises(ValueError, match="twice"):
+        pool.add_trajectories([make_traj("t0"), make_traj("t0")])
+    assert pool.counts()["trajectories"] == 0
+
+
+def test_schema_version_is_set_and_a_newer_one_is_refused(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'pool.db'}"
+    with DataPool(url) as pool:
+        with pool.engine.begin() as conn:
+            assert conn.execute(text("SELECT version FROM schema_version")).scalars().all() == [SCHEMA_VERSION]
+            conn.execute(text("UPDATE schema_version SET version = :v"), {"v": SCHEMA_VERSION + 1})
+    with pytest.raises(SchemaVersionError, match="upgrade arlflow"):
+        DataPool(url)
+    with DataPool(str(tmp_path / "fresh" / "other.db")) as fresh:  # a bare path means SQLite; parents are made
+        assert fresh.counts() == {"trajectories": 0, "steps": 0}
+
+
+def test_sqlite_runs_in_wal_mode_with_a_busy_timeout(pool: DataPool) -> None:
+    with pool.engine.connect() as conn:
+        assert conn.exec_driver_sql("PRAGMA journal_mode").scalar() == "wal"
+        assert conn.exec_driver_sql("PRAGMA busy_timeout").scalar() == 30000
+
+
+def test_concurrent_writers_stay_idempotent(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'pool.db'}"
+    pools = [DataPool(url), DataPool(url)]
+    added = [0, 0]
+
+    def write(slot: int) -> None:
+        for start in range(0, 20, 4):
+            added[slot] += pools[slot].add_trajectories([make_traj(f"t{i:02d}") for i in range(start, start + 6)])
+
+    threads = [threading.Thread(target=write, args=(slot,)) for slot in (0, 1)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert sum(added) == 22 and pools[0].counts() == {"trajectories": 22, "steps": 44}
+    for p in pools:
+        p.close()
+
+
+def test_export_round_writes_the_round_steps(pool: DataPool, tmp_path: Path) -> None:
+    pool.add_trajectories([make_traj("a", round=1), make_traj("b", round=2, steps=3)])
+    path = tmp_path / "out" / "round_2.parquet"
+    assert pool.export_round(2, path) == 3
+    df, metadata = read_steps(path)
+    assert metadata["round"] == 2 and metadata["policy_versions"] == ["v1"] and metadata["trajectories"] == 1
+    expected = pool.steps_frame(round=2)
+    assert list(df.columns) == list(expected.columns)
+    assert df["prompt_ids"].tolist() == expected["prompt_ids"].tolist()
+    assert df["logprobs"].tolist() == expected["logprobs"].tolist()
+
+
+def test_encoding_is_four_bytes_per_id() -> None:
+    blob = encode_ids([0, 1, -1, 2**31 - 1])
+    assert len(blob) == 16 and blob[:8] == b"\x00\x00\x00\x00\x01\x00\x00\x00"
+    assert decode_ids(blob) == [0, 1, -1, 2**31 - 1]
+
+
+ids = st.lists(st.integers(-(2**31), 2**31 - 1), max_size=12)
+f32 = st.floats(-50, 0, width=32)
+
+
+@st.composite
+def trajectories(draw) -> list[TrajectoryRecord]:
+    out = []
+    for t in range(draw(st.integers(1, 3))):
+        tid = f"t{t}"
+        steps = []
+        for k in range(draw(st.integers(0, 3))):
+            response = draw(ids)
+            steps.append(StepRecord(
+                trajectory_id=tid, group_id="g", step_index=k, prompt_ids=draw(ids), response_ids=response,
+                logprobs=draw(st.lists(f32, min_size=len(response), max_size=len(response))),
+                prompt_text=draw(st.text(max_size=20)), observation=draw(st.text(max_size=20)),
+                action=draw(st.text(max_size=5)), response_text=draw(st.text(max_size=5)),
+                reward=draw(st.floats(allow_nan=False)), anchor=draw(st.text(max_size=8)), policy_version="v0",
+                action_valid=draw(st.booleans()), truncated=draw(st.booleans()),
+                skill_ids=draw(st.lists(st.text(max_size=6), max_size=2))))
+        out.append(TrajectoryRecord(
+            trajectory_id=tid, group_id="g", scenario="{}", env="e", split="train", round=draw(st.integers(0, 5)),
+            policy_version="v0", status=draw(st.sampled_from(["complete", "truncated", "failed"])),
+            episode_return=draw(st.floats(allow_nan=False)), won=draw(st.booleans()), num_steps=len(steps),
+            response_tokens=0, metadata={"k": draw(st.text(max_size=5))}, steps=steps))
+    return out
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(trajectories())
+def test_store_round_trips_any_valid_records(trajs: list[TrajectoryRecord]) -> None:
+    with tempfile.TemporaryDirectory() as tmp, DataPool(f"{tmp}/pool.db") as pool:
+        assert pool.add_trajectories(trajs) == len(trajs)
+        steps = pool.steps_frame()
+        expected = [s for t in trajs for s in t.steps]
+        assert len(steps) == len(expected)
+        by_key = {(r.trajectory_id, r.step_index): r for r in steps.itertuples()}
+        for step in expected:
+            row = by_key[(step.trajectory_id, step.step_index)]
+            assert row.prompt_ids == step.prompt_ids and row.response_ids == step.response_ids
+            assert row.logprobs == [float(np.float32(x)) for x in step.logprobs]
+            assert row.observation == step.observation and row.skill_ids == step.skill_ids
+            assert row.reward == step.reward or (math.isinf(row.reward) and row.reward == step.reward)
+        frame = pool.trajectories_frame()
+        assert sorted(frame["trajectory_id"]) == sorted(t.trajectory_id for t in trajs)

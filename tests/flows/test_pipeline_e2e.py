@@ -1,0 +1,104 @@
+"""End to end: the pipeline flow on a tiny config, under a Prefect test server, with real DVC, MLflow, DeepSpeed, GX."""
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
+import mlflow
+import pytest
+import yaml
+from safetensors.torch import load_file
+
+from flows.dvc_sync import render_dvc_yaml
+from tasks.config import params_to_dict, parse_params
+from tasks.layout import Layout
+
+REPO = Path(__file__).resolve().parents[2]
+CODE = ["envs", "agents", "models", "tasks", "skills", "datapool", "flows"]
+SUMMARY_KEYS = {"success_rate", "mean_return", "mean_steps", "mean_response_tokens", "episodes"}
+
+TINY = {
+    "pipeline": {"rounds": 1, "seed": 3},
+    "bootstrap": {"train_scenarios": 24, "heldout_scenarios": 8, "tokenizer_corpus_episodes": 40, "hidden_size": 64,
+                  "intermediate_size": 128},
+    "warmstart": {"demo_scenarios": 24, "epochs": 1, "micro_batch_size": 32},
+    "rollout": {"scenarios_per_round": 6, "group_size": 4, "temperature": 1.0},
+    "validate": {"drop_zero_variance": False},
+    "mine": {"min_support": 0.1},
+    "train": {"micro_batch_size": 32, "epochs": 1, "lr": 0.001},
+    "transfer": {"hidden_size": 64, "intermediate_size": 128},
+}
+
+
+def make_project(root: Path, raw: dict) -> Layout:
+    for name in CODE:
+        shutil.copytree(REPO / name, root / name, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    shutil.copytree(REPO / "infra", root / "infra")
+    # DVC tracks whole sections, so the file holds every key (defaults filled in), as the repo's params.yaml does
+    (root / "params.yaml").write_text(yaml.safe_dump(params_to_dict(parse_params(raw)), sort_keys=False))
+    layout = Layout(root)
+    (root / "dvc.yaml").write_text(render_dvc_yaml(parse_params(raw), layout))
+    (root / ".dvcignore").write_text("__pycache__/\n*.pyc\n")
+    subprocess.run(["git", "init", "-q"], cwd=root, check=True)
+    subprocess.run([str(Path(shutil.which("dvc") or REPO / ".venv/bin/dvc")), "init", "-q"], cwd=root, check=True)
+    return layout
+
+
+def weights(path: Path) -> dict:
+    return load_file(str(path / "model.safetensors"))
+
+
+@pytest.mark.slow
+def test_pipeline_flow_end_to_end(tmp_path, prefect_harness, monkeypatch):
+    from flows.pipeline import pipeline_flow
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    layout = make_project(tmp_path, TINY)
+    result = pipeline_flow(root=str(tmp_path))
+    assert result["skipped"] == []
+    assert result["ran"][0] == "bootstrap" and result["ran"][-1] == "transfer"
+
+    # the policy's parameters changed in warm start and in the RL round
+    base, warm, final = (weights(layout.policy(n)) for n in ("base", "warmstart", "round_1"))
+    assert any(not (base[k] == warm[k]).all() for k in base)
+    assert any(not (warm[k] == final[k]).all() for k in warm)
+
+    # the data pool holds every step of the round
+    from datapool.store import DataPool
+    with DataPool(layout.pool_url) as pool:
+        counts = pool.counts()
+    rollout = json.loads(layout.round_metrics(1, "rollout").read_text())
+    assert counts["trajectories"] == 6 * 4
+    assert counts["steps"] == rollout["steps"] > 0
+
+    # skill bank folder and both metrics files with the documented keys
+    assert (layout.skills(1) / "CHANGELOG.md").exists()
+    evaluation = json.loads(layout.evaluate_metrics.read_text())
+    assert set(evaluation["heldout"]) == {"base", "warmstart", "final", "final_with_skills"}
+    for summary in evaluation["heldout"].values():
+        assert SUMMARY_KEYS <= set(summary)
+        assert summary["episodes"] == 8
+    transfer = json.loads(layout.transfer_metrics.read_text())
+    assert len(transfer["models"]) >= 2
+    for entry in transfer["models"].values():
+        assert SUMMARY_KEYS <= set(entry["without_skills"]) and SUMMARY_KEYS <= set(entry["with_skills"])
+
+    # MLflow: one parent run, a nested run per stage with metrics, the round policy registered
+    client = mlflow.MlflowClient(tracking_uri=layout.mlflow_uri)
+    experiment = client.get_experiment_by_name("arlflow")
+    runs = client.search_runs([experiment.experiment_id])
+    parent = [r for r in runs if r.data.tags.get("arlflow.kind") == "pipeline"]
+    stages = [r for r in runs if r.data.tags.get("arlflow.kind") == "stage"]
+    assert len(parent) == 1
+    assert {r.data.tags["stage"] for r in stages} == {"bootstrap", "warmstart", "rollout", "validate", "mine",
+                                                      "train", "evaluate", "transfer"}
+    assert all(r.data.tags["mlflow.parentRunId"] == parent[0].info.run_id for r in stages)
+    train_run = next(r for r in stages if r.data.tags["stage"] == "train")
+    assert {"loss", "clip_fraction", "grad_norm"} <= set(train_run.data.metrics)
+    assert client.get_model_version_by_alias("arlflow-policy", "champion").tags["round"] == "1"
+
+    # DVC: everything is recorded; a second run is a no-op
+    status = subprocess.run([str(REPO / ".venv/bin/dvc"), "status"], cwd=tmp_path, capture_output=True, text=True)
+    assert "up to date" in status.stdout, status.stdout
+    again = pipeline_flow(root=str(tmp_path))
+    assert again["ran"] == []
