@@ -1,7 +1,9 @@
 """End to end: the pipeline flow on a tiny config, under a Prefect test server, with real DVC, MLflow, DeepSpeed, GX."""
 import json
+import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import mlflow
@@ -40,7 +42,7 @@ def make_project(root: Path, raw: dict) -> Layout:
     (root / "dvc.yaml").write_text(render_dvc_yaml(parse_params(raw), layout))
     (root / ".dvcignore").write_text("__pycache__/\n*.pyc\n")
     subprocess.run(["git", "init", "-q"], cwd=root, check=True)
-    subprocess.run([str(Path(shutil.which("dvc") or REPO / ".venv/bin/dvc")), "init", "-q"], cwd=root, check=True)
+    subprocess.run([str(Path(sys.executable).parent / "dvc"), "init", "-q"], cwd=root, check=True)
     return layout
 
 
@@ -98,7 +100,30 @@ def test_pipeline_flow_end_to_end(tmp_path, prefect_harness, monkeypatch):
     assert client.get_model_version_by_alias("arlflow-policy", "champion").tags["round"] == "1"
 
     # DVC: everything is recorded; a second run is a no-op
-    status = subprocess.run([str(REPO / ".venv/bin/dvc"), "status"], cwd=tmp_path, capture_output=True, text=True)
+    dvc = str(Path(sys.executable).parent / "dvc")
+    status = subprocess.run([dvc, "status"], cwd=tmp_path, capture_output=True, text=True)
     assert "up to date" in status.stdout, status.stdout
     again = pipeline_flow(root=str(tmp_path))
     assert again["ran"] == []
+
+    # a train parameter change makes only train and what depends on it stale; `dvc repro` reruns just those,
+    # through `arlflow stage ...` (the same stage functions), under one MLflow parent run for the repro
+    raw = yaml.safe_load((tmp_path / "params.yaml").read_text())
+    raw["train"]["lr"] = 0.002
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    env.pop("PREFECT_API_URL", None)
+    stale = subprocess.run([dvc, "status", "--json"], cwd=tmp_path, capture_output=True, text=True, env=env)
+    assert set(json.loads(stale.stdout)) == {"train_1", "evaluate"}, stale.stdout
+    repro = subprocess.run([dvc, "repro"], cwd=tmp_path, capture_output=True, text=True, env=env)
+    assert repro.returncode == 0, repro.stdout[-3000:] + repro.stderr[-3000:]
+    assert "Running stage 'train_1'" in repro.stdout and "Running stage 'evaluate'" in repro.stdout
+    assert "Running stage 'rollout_1'" not in repro.stdout and "Running stage 'transfer'" not in repro.stdout
+    status = subprocess.run([dvc, "status"], cwd=tmp_path, capture_output=True, text=True, env=env)
+    assert "up to date" in status.stdout, status.stdout
+    runs = client.search_runs([experiment.experiment_id])
+    repro_parent = [r for r in runs if r.info.run_name == "dvc-repro"]
+    assert len(repro_parent) == 1
+    nested = {r.data.tags.get("stage") for r in runs
+              if r.data.tags.get("mlflow.parentRunId") == repro_parent[0].info.run_id}
+    assert nested == {"train", "evaluate"}
