@@ -112,9 +112,10 @@ def test_pipeline_flow_end_to_end(tmp_path, prefect_harness, monkeypatch):
     raw["train"]["lr"] = 0.002
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
-    env.pop("PREFECT_API_URL", None)
+    for inherited in ("PREFECT_API_URL", "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(inherited, None)  # this test process already holds a torch.distributed group on MASTER_PORT
     stale = subprocess.run([dvc, "status", "--json"], cwd=tmp_path, capture_output=True, text=True, env=env)
-    assert set(json.loads(stale.stdout)) == {"train_1", "evaluate"}, stale.stdout
+    assert set(json.loads(stale.stdout)) == {"train_1"}, stale.stdout  # downstream shows once train's outs change
     repro = subprocess.run([dvc, "repro"], cwd=tmp_path, capture_output=True, text=True, env=env)
     assert repro.returncode == 0, repro.stdout[-3000:] + repro.stderr[-3000:]
     assert "Running stage 'train_1'" in repro.stdout and "Running stage 'evaluate'" in repro.stdout
