@@ -43,7 +43,11 @@ def run(params: Params, layout: Layout) -> dict[str, Any]:
     cfg = params.bootstrap
     seed = params.pipeline.seed
     seed_everything(seed)
-    options = {}
+    if cfg.model and not (Path(cfg.model) / "config.json").exists():  # checked before anything is written
+        raise FileNotFoundError(f"bootstrap.model = {cfg.model!r} is not a Hugging Face model folder "
+                                "(no config.json); set it to a folder saved with save_pretrained, or '' for "
+                                "the tiny local model")
+    options: dict = {}
     train = make_scenarios(params.env.name, "train", cfg.train_scenarios, seed, options)
     heldout = make_scenarios(params.env.name, "heldout", cfg.heldout_scenarios, seed, options)
     write_scenarios(layout.scenarios("train"), train)
@@ -53,12 +57,7 @@ def run(params: Params, layout: Layout) -> dict[str, Any]:
     if target.exists():
         shutil.rmtree(target)
     if cfg.model:
-        source = Path(cfg.model)
-        if not (source / "config.json").exists():
-            raise FileNotFoundError(f"bootstrap.model = {cfg.model!r} is not a Hugging Face model folder "
-                                    "(no config.json); set it to a folder saved with save_pretrained, or '' for "
-                                    "the tiny local model")
-        model, tokenizer = load_policy(source)
+        model, tokenizer = load_policy(Path(cfg.model))
     else:
         corpus = tokenizer_corpus(train[: cfg.tokenizer_corpus_episodes], params, seed)
         tokenizer = train_tokenizer(corpus, cfg.vocab_size)

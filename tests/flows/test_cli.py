@@ -1,0 +1,52 @@
+"""The CLI and the stage table: dvc.yaml in sync with params.yaml, bad stage requests rejected before any work."""
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from flows.dvc_sync import render_dvc_yaml
+from flows.stages import check_stage, stage_sequence
+from tasks.config import load_params, parse_params
+from tasks.layout import Layout
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_committed_dvc_yaml_matches_params():
+    params = load_params(REPO / "params.yaml")
+    assert (REPO / "dvc.yaml").read_text() == render_dvc_yaml(params, Layout(REPO)), "run `arlflow dvc-yaml`"
+
+
+def test_rounds_are_unrolled_in_order():
+    names = [f"{s}_{r}" if r else s for s, r in stage_sequence(2)]
+    assert names == ["bootstrap", "warmstart", "rollout_1", "validate_1", "mine_1", "train_1", "rollout_2",
+                     "validate_2", "mine_2", "train_2", "evaluate", "transfer"]
+
+
+@pytest.mark.parametrize("stage, round_index, message", [
+    ("trian", None, "unknown stage"),
+    ("train", None, "needs --round"),
+    ("train", 9, "pipeline.rounds"),
+    ("evaluate", 1, "takes no --round"),
+])
+def test_bad_stage_requests(stage, round_index, message):
+    with pytest.raises(ValueError, match=message):
+        check_stage(stage, round_index, parse_params({"pipeline": {"rounds": 3}}))
+
+
+def test_cli_stage_without_round_exits_2():
+    result = subprocess.run([sys.executable, "-m", "flows.cli_main", "stage", "rollout", "--root", str(REPO)],
+                            capture_output=True, text=True, cwd=REPO)
+    assert result.returncode == 2 and "needs --round" in result.stderr
+
+
+def test_cli_dvc_yaml_check_detects_drift(tmp_path):
+    (tmp_path / "params.yaml").write_text((REPO / "params.yaml").read_text().replace("rounds: 5", "rounds: 2"))
+    (tmp_path / "dvc.yaml").write_text((REPO / "dvc.yaml").read_text())
+    check = subprocess.run([sys.executable, "-m", "flows.cli_main", "dvc-yaml", "--check", "--root", str(tmp_path)],
+                           capture_output=True, text=True, cwd=REPO)
+    assert check.returncode == 1 and "out of date" in check.stderr
+    subprocess.run([sys.executable, "-m", "flows.cli_main", "dvc-yaml", "--root", str(tmp_path)], check=True,
+                   capture_output=True, cwd=REPO)
+    assert "rollout_2" in (tmp_path / "dvc.yaml").read_text() and "rollout_3" not in (tmp_path / "dvc.yaml").read_text()
