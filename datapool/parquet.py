@@ -3,6 +3,7 @@
 The schema is explicit (token ids as list<int32>, log-probs as list<float32>), the dataset's own metadata (round,
 policy versions, layout version) travels as JSON under the key ``arlflow`` in the Parquet schema metadata, and the
 file is written to a temporary name and renamed, so a crash never leaves a half-written file at ``path``.
+Files of an older layout still read: columns added since are filled with their defaults (ADDED_COLUMNS).
 """
 from __future__ import annotations
 
@@ -16,8 +17,8 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-STEPS_SCHEMA_VERSION = 1
-"""Version of STEPS_SCHEMA; files written with a newer one are refused."""
+STEPS_SCHEMA_VERSION = 2
+"""Version of STEPS_SCHEMA; files written with a newer one are refused, older ones read (see ADDED_COLUMNS)."""
 
 METADATA_KEY = b"arlflow"
 
@@ -39,14 +40,22 @@ STEPS_SCHEMA = pa.schema([
     pa.field("truncated", pa.bool_()),
     pa.field("skill_ids", pa.list_(pa.string())),
     pa.field("context_manager", pa.string()),
+    pa.field("tool_calls", pa.int32()),
+    pa.field("tool_successes", pa.int32()),
     pa.field("round", pa.int64()),
     pa.field("env", pa.string()),
     pa.field("split", pa.string()),
     pa.field("status", pa.string()),
     pa.field("won", pa.bool_()),
     pa.field("episode_return", pa.float64()),
+    pa.field("shaping", pa.float64()),
 ])
-"""One row per step: the columns of ``DataPool.steps_frame``."""
+"""One row per step: the columns of ``DataPool.steps_frame``, plus ``shaping`` (the total reward adjustment the
+``datapool.filters`` made to the step's trajectory; ``episode_return - shaping`` is the return the env gave)."""
+
+ADDED_COLUMNS: dict[str, int | float] = {"tool_calls": 0, "tool_successes": 0, "shaping": 0.0}
+"""Columns added in layout version 2, with the value a frame or an older file without them gets: no recorded tool
+calls, no shaping (the pool's own frames carry no ``shaping``: stored rewards are the env's)."""
 
 _LIST_COLUMNS = tuple(f.name for f in STEPS_SCHEMA if pa.types.is_list(f.type))
 
@@ -56,14 +65,15 @@ class StepsFileError(ValueError):
 
 
 def export_steps(df: pd.DataFrame, path: str | Path, *, metadata: dict[str, Any]) -> Path:
-    """Write ``df`` (exactly the STEPS_SCHEMA columns) to ``path`` atomically; ``metadata`` must be JSON-able.
+    """Write ``df`` (exactly the STEPS_SCHEMA columns; ADDED_COLUMNS may be absent and get their defaults) to
+    ``path`` atomically; ``metadata`` must be JSON-able. ``df`` itself is never modified.
 
     ``schema_version`` and ``num_rows`` are added to the stored metadata.
     """
     path = Path(path)
-    columns = list(df.columns)
-    missing = [name for name in STEPS_SCHEMA.names if name not in columns]
-    unknown = [name for name in columns if name not in STEPS_SCHEMA.names]
+    df = _with_added_columns(df)
+    missing = [name for name in STEPS_SCHEMA.names if name not in df.columns]
+    unknown = [name for name in df.columns if name not in STEPS_SCHEMA.names]
     if missing or unknown:
         raise ValueError(f"cannot export steps to {path}: missing columns {missing}, unknown columns {unknown}; "
                          f"the schema is datapool.parquet.STEPS_SCHEMA")
@@ -114,4 +124,18 @@ def read_steps(path: str | Path) -> tuple[pd.DataFrame, dict[str, Any]]:
     for name in _LIST_COLUMNS:
         if name in df.columns:
             df[name] = pd.Series(table.column(name).to_pylist(), index=df.index, dtype=object)
-    return df, metadata
+    return _with_added_columns(df), metadata
+
+
+def _with_added_columns(df: pd.DataFrame) -> pd.DataFrame:
+    """``df`` with every absent ADDED_COLUMNS column filled with its default, in STEPS_SCHEMA order (a new frame
+    when anything was added; ``df`` itself otherwise)."""
+    absent = [name for name in ADDED_COLUMNS if name not in df.columns]
+    if not absent:
+        return df
+    df = df.copy()
+    for name in absent:
+        dtype = STEPS_SCHEMA.field(name).type.to_pandas_dtype()
+        df[name] = pd.Series(ADDED_COLUMNS[name], index=df.index, dtype=dtype)
+    order = [name for name in STEPS_SCHEMA.names if name in df.columns]
+    return df[order + [name for name in df.columns if name not in STEPS_SCHEMA.names]]

@@ -17,6 +17,8 @@ import numpy as np
 import pandas as pd
 from great_expectations.data_context.types.base import ProgressBarsConfig
 
+from datapool.filters import degenerate_group_ids
+
 REQUIRED_COLUMNS: tuple[str, ...] = (
     "trajectory_id", "group_id", "step_index", "prompt_ids", "response_ids", "logprobs", "reward",
 )
@@ -209,9 +211,8 @@ def drop_zero_variance_groups(df: pd.DataFrame) -> tuple[pd.DataFrame, dict[str,
     for name in ("group_id", "trajectory_id", "episode_return"):
         if name not in df.columns:
             raise ValueError(f"drop_zero_variance_groups: the step table lacks column {name!r}")
-    returns = df.drop_duplicates("trajectory_id")[["group_id", "episode_return"]]
-    spread = returns.groupby("group_id", dropna=False)["episode_return"].agg(lambda r: r.max() - r.min())
-    zero = set(spread.index[~(spread > 0)])  # NaN spread (all-NaN returns) counts as no signal
+    zero = degenerate_group_ids(df)  # the one degenerate-group rule, shared with the train filters
     dropped = df["group_id"].isin(zero)
-    stats = {"groups_total": int(len(spread)), "groups_dropped": int(len(zero)), "steps_dropped": int(dropped.sum())}
+    stats = {"groups_total": int(df["group_id"].nunique(dropna=False)), "groups_dropped": len(zero),
+             "steps_dropped": int(dropped.sum())}
     return df.loc[~dropped].reset_index(drop=True), stats

@@ -29,6 +29,8 @@ class StepRecord:
     truncated: bool = False   # the response hit max_new_tokens without eos
     skill_ids: list[str] = field(default_factory=list)
     context_manager: str = "full"
+    tool_calls: int = 0       # tool calls the agent made in this step's action
+    tool_successes: int = 0   # of those, how many the tool reported as successful (<= tool_calls)
 
 
 @dataclass

@@ -10,21 +10,21 @@ import json
 import math
 import numbers
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import numpy as np
 import pandas as pd
 from sqlalchemy import (JSON, Boolean, Double, ForeignKey, Integer, LargeBinary, Text, UniqueConstraint, create_engine,
-                        event, func, insert, inspect, select)
-from sqlalchemy.engine import Engine, make_url
+                        event, func, insert, inspect, select, text)
+from sqlalchemy.engine import Connection, Engine, make_url
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
 
 from datapool.parquet import export_steps
 from datapool.records import TRAJECTORY_STATUSES, StepRecord, TrajectoryRecord
 
-SCHEMA_VERSION = 1
-"""Version of the tables below; bump it (and write a migration) whenever a column changes."""
+SCHEMA_VERSION = 2
+"""Version of the tables below; bump it (and add a step to MIGRATIONS) whenever a column changes."""
 
 _INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
 _ID_CHUNK = 500  # ids per IN (...) query: well under every backend's bound-parameter limit
@@ -36,7 +36,7 @@ TRAJECTORY_COLUMNS: tuple[str, ...] = (
 STEP_COLUMNS: tuple[str, ...] = (
     "trajectory_id", "group_id", "step_index", "prompt_ids", "response_ids", "logprobs", "prompt_text",
     "observation", "action", "response_text", "reward", "anchor", "policy_version", "action_valid", "truncated",
-    "skill_ids", "context_manager",
+    "skill_ids", "context_manager", "tool_calls", "tool_successes",
 )
 STEP_TRAJECTORY_COLUMNS: tuple[str, ...] = ("round", "env", "split", "status", "won", "episode_return")
 """Trajectory fields joined onto every row of ``steps_frame`` (group_id is already a step field)."""
@@ -96,6 +96,23 @@ class StepRow(Base):
     truncated: Mapped[bool] = mapped_column(Boolean)
     skill_ids: Mapped[list[str]] = mapped_column(JSON)
     context_manager: Mapped[str] = mapped_column(Text)
+    tool_calls: Mapped[int] = mapped_column(Integer, server_default=text("0"))      # schema version 2
+    tool_successes: Mapped[int] = mapped_column(Integer, server_default=text("0"))  # schema version 2
+
+
+# ---------------------------------------------------------------------------------------------- migrations
+
+def _add_step_tool_counts(conn: Connection) -> None:
+    """Version 1 -> 2: per-step tool-call bookkeeping; steps written before it made no recorded tool calls."""
+    present = {column["name"] for column in inspect(conn).get_columns(StepRow.__tablename__)}
+    for name in ("tool_calls", "tool_successes"):
+        if name not in present:
+            conn.execute(text(f"ALTER TABLE {StepRow.__tablename__} ADD COLUMN {name} INTEGER NOT NULL DEFAULT 0"))
+
+
+MIGRATIONS: dict[int, Callable[[Connection], None]] = {1: _add_step_tool_counts}
+"""from_version -> the step that brings a pool from that version to the next one (DDL only; the version row is
+updated by ``DataPool``). Every version below SCHEMA_VERSION needs an entry."""
 
 
 # ----------------------------------------------------------------------------------------------- encoding
@@ -166,6 +183,12 @@ def _check_step(tid: str, traj: TrajectoryRecord, step: StepRecord) -> None:
     for name in ("action_valid", "truncated"):
         if not isinstance(getattr(step, name), (bool, np.bool_)):
             raise _fail(tid, f"{where} {name!r}", "must be a bool")
+    for name in ("tool_calls", "tool_successes"):
+        if not _is_int(getattr(step, name)) or not 0 <= getattr(step, name) <= _INT32_MAX:
+            raise _fail(tid, f"{where} {name!r}", f"must be an int >= 0, got {getattr(step, name)!r}")
+    if step.tool_successes > step.tool_calls:
+        raise _fail(tid, f"{where} 'tool_successes'",
+                    f"is {step.tool_successes}, more than the step's {step.tool_calls} tool_calls")
     if not isinstance(step.skill_ids, (list, tuple)) or not all(isinstance(s, str) for s in step.skill_ids):
         raise _fail(tid, f"{where} 'skill_ids'", "must be a list of str")
 
@@ -225,6 +248,7 @@ def _step_row(step: StepRecord) -> dict[str, Any]:
         "reward": float(step.reward), "anchor": step.anchor, "policy_version": step.policy_version,
         "action_valid": bool(step.action_valid), "truncated": bool(step.truncated),
         "skill_ids": list(step.skill_ids), "context_manager": step.context_manager,
+        "tool_calls": int(step.tool_calls), "tool_successes": int(step.tool_successes),
     }
 
 
@@ -266,15 +290,19 @@ class DataPool:
             self.engine.dispose()
             raise
 
+    def _stored_version(self) -> int | None:
+        if not inspect(self.engine).has_table(SchemaVersionRow.__tablename__):
+            return None
+        with Session(self.engine) as session:
+            return session.scalar(select(SchemaVersionRow.version).where(SchemaVersionRow.id == 1))
+
     def _open_schema(self) -> None:
-        if inspect(self.engine).has_table(SchemaVersionRow.__tablename__):
-            with Session(self.engine) as session:
-                found = session.scalar(select(SchemaVersionRow.version).where(SchemaVersionRow.id == 1))
-            if found is not None and found != SCHEMA_VERSION:
-                newer = found > SCHEMA_VERSION
-                raise SchemaVersionError(
-                    f"data pool {self.url} has schema version {found}, this arlflow reads version {SCHEMA_VERSION}: "
-                    + ("upgrade arlflow to open it" if newer else "migrate it or start a fresh pool"))
+        found = self._stored_version()
+        if found is not None and found > SCHEMA_VERSION:
+            raise SchemaVersionError(f"data pool {self.url} has schema version {found}, this arlflow reads version "
+                                     f"{SCHEMA_VERSION}: upgrade arlflow to open it")
+        if found is not None and found < SCHEMA_VERSION:
+            self._migrate(found)
         Base.metadata.create_all(self.engine)  # checkfirst: creates only what is missing
         try:
             with Session(self.engine) as session, session.begin():
@@ -282,6 +310,23 @@ class DataPool:
                     session.add(SchemaVersionRow(id=1, version=SCHEMA_VERSION))
         except IntegrityError:  # another process created it at the same moment
             pass
+
+    def _migrate(self, found: int) -> None:
+        """Bring a pool at version ``found`` to SCHEMA_VERSION in one transaction: all steps or none."""
+        missing = [v for v in range(found, SCHEMA_VERSION) if v not in MIGRATIONS]
+        if missing:
+            raise SchemaVersionError(f"data pool {self.url} has schema version {found} and arlflow has no migration "
+                                     f"from version(s) {missing}: start a fresh pool")
+        with self.engine.begin() as conn:
+            if conn.dialect.name == "sqlite":
+                # pysqlite commits DDL on its own unless a transaction is open; IMMEDIATE also takes the write lock,
+                # so a second process opening the same pool waits here and then sees the new version
+                conn.exec_driver_sql("BEGIN IMMEDIATE")
+            current = conn.scalar(select(SchemaVersionRow.version).where(SchemaVersionRow.id == 1).with_for_update())
+            for version in range(current, SCHEMA_VERSION):
+                MIGRATIONS[version](conn)
+            if current < SCHEMA_VERSION:
+                conn.execute(text("UPDATE schema_version SET version = :v WHERE id = 1"), {"v": SCHEMA_VERSION})
 
     # -- writing
 

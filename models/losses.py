@@ -1,9 +1,12 @@
-"""Policy losses (ALGORITHMS.md §2) and the supervised loss used by warm-start.
+"""Policy losses (ALGORITHMS.md §2), the KL and entropy terms, and the supervised loss used by warm-start.
 
 Every loss registered in LOSSES has the signature
 `fn(logp, old_logp, advantages, mask, *, clip_low, clip_high, dual_clip, aggregation) -> (loss, metrics)`
 over [B, L] tensors that are already aligned (position t holds the log-prob of the token the policy produced there)
 and with the per-trajectory advantage already broadcast to the generated tokens.
+
+`policy_objective` is what a trainer calls: the registered policy loss + beta * KL(policy || reference)
+- entropy_coef * entropy, with every term logged separately.
 """
 from __future__ import annotations
 
@@ -16,7 +19,9 @@ from models.registry import Registry
 LOSSES = Registry("loss")
 
 AGGREGATIONS = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+KL_KINDS = ("k1", "k2", "k3")
 LOG_RATIO_CLAMP = 20.0
+K3_CLAMP = 10.0
 
 
 def masked_token_mean(x: Tensor, mask: Tensor) -> Tensor:
@@ -85,7 +90,10 @@ def ppo_clip(
     if dual_clip is not None and dual_clip <= 1.0:
         raise ValueError(f"dual_clip must be > 1.0 (the usual value is 3.0), got {dual_clip}")
     valid = mask.bool()                                                     # [B, L]
-    log_ratio = (logp - old_logp).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)  # [B, L]
+    # zero the inputs at masked positions: garbage there (inf, nan) must not reach the gradient via 0 * nan
+    advantages = torch.where(valid, advantages, torch.zeros_like(advantages))  # [B, L]
+    log_ratio = torch.where(valid, logp - old_logp, torch.zeros_like(logp))  # [B, L]
+    log_ratio = log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)          # [B, L]
     ratio = torch.exp(log_ratio)                                            # [B, L]
     unclipped = -advantages * ratio                                         # [B, L]
     clipped = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)    # [B, L]
@@ -100,10 +108,145 @@ def ppo_clip(
 
     with torch.no_grad():
         metrics = {name: float(masked_token_mean(m.float(), valid)) for name, m in metrics_masks.items()}
-        diff = (logp - old_logp).detach()                                   # [B, L]
+        diff = torch.where(valid, logp - old_logp, torch.zeros_like(logp)).detach()  # [B, L]
         metrics["approx_kl"] = float(masked_token_mean(0.5 * diff * diff, valid))
         metrics["ratio_mean"] = float(masked_token_mean(ratio.detach(), valid))
     return loss, metrics
+
+
+@LOSSES.register("vanilla_pg")
+def vanilla_pg(
+    logp: Tensor,
+    old_logp: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    aggregation: str = "token-mean",
+    **ignored: object,
+) -> tuple[Tensor, dict[str, float]]:
+    """REINFORCE: l = -A * logp, no ratio and no clip (clip_low / clip_high / dual_clip are accepted and ignored).
+
+    Williams 1992, "Simple Statistical Gradient-Following Algorithms for Connectionist Reinforcement Learning",
+    Machine Learning 8:229-256. The gradient is unbiased only on-policy: use it with one epoch of one mini-batch
+    per rollout batch; later steps on the same rows are not corrected for the policy having moved.
+
+    Args: logp, old_logp, advantages, mask: [B, L]. Metrics as ppo_clip's (clip_fraction is 0: nothing is clipped),
+    so dashboards compare the two.
+    """
+    valid = mask.bool()                                                     # [B, L]
+    advantages = torch.where(valid, advantages, torch.zeros_like(advantages))  # [B, L] no nan leaks via 0 * nan
+    loss_mat = -advantages * logp                                           # [B, L]
+    loss = aggregate(loss_mat, valid, aggregation)                          # []
+    with torch.no_grad():
+        diff = torch.where(valid, logp - old_logp, torch.zeros_like(logp))  # [B, L]
+        ratio = torch.exp(diff.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))    # [B, L]
+        metrics = {
+            "clip_fraction": 0.0,
+            "approx_kl": float(masked_token_mean(0.5 * diff * diff, valid)),
+            "ratio_mean": float(masked_token_mean(ratio, valid)),
+        }
+    return loss, metrics
+
+
+def kl_penalty(
+    logp: Tensor,
+    ref_logp: Tensor,
+    mask: Tensor,
+    *,
+    kind: str = "k3",
+    aggregation: str = "token-mean",
+) -> Tensor:
+    """Sample estimate of KL(policy || reference) on the sampled tokens, aggregated like the policy loss.
+
+    k1 = logp - ref_logp; k2 = 0.5 * (logp - ref_logp)^2;
+    k3 = exp(d) - d - 1 with d = clamp(ref_logp - logp, -20, 20), clamped to [-10, 10] (low variance, always >= 0).
+    Schulman 2020, "Approximating KL Divergence", http://joschu.net/blog/kl-approx.html; used as a loss term in
+    Shao et al. 2024, "DeepSeekMath" (GRPO), arXiv:2402.03300.
+
+    Args: logp (differentiable), ref_logp, mask: [B, L]; values at masked positions never matter (not even inf/nan).
+    """
+    if kind not in KL_KINDS:
+        raise ValueError(f"unknown KL kind {kind!r}; valid: {', '.join(KL_KINDS)}")
+    valid = mask.bool()                                                     # [B, L]
+    diff = torch.where(valid, logp - ref_logp, torch.zeros_like(logp))     # [B, L] logp - ref_logp
+    if kind == "k1":
+        kl_mat = diff                                                       # [B, L]
+    elif kind == "k2":
+        kl_mat = 0.5 * diff * diff                                          # [B, L]
+    else:
+        d = (-diff).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)                # [B, L] ref_logp - logp
+        kl_mat = (torch.exp(d) - d - 1.0).clamp(-K3_CLAMP, K3_CLAMP)        # [B, L]
+    return aggregate(kl_mat, valid, aggregation)
+
+
+def entropy_from_logits(logits: Tensor, mask: Tensor, aggregation: str = "token-mean") -> Tensor:
+    """Policy entropy H = -sum_v p_v log p_v at the valid positions, aggregated; differentiable (entropy bonus).
+
+    Only the valid positions' [N, V] softmax is materialized (in float32), not the whole [B, L, V].
+    Args: logits [B, L, V] (position t predicts the token at t + 1, as in the collated batch), mask [B, L].
+    """
+    valid = mask.to(logits.device).bool()                                   # [B, L]
+    picked = logits[valid].float()                                          # [N, V]
+    logp = torch.log_softmax(picked, dim=-1)                                # [N, V]
+    probs = logp.exp()                                                      # [N, V]
+    # 0 * log 0 = 0 for tokens a -inf logit rules out (p * logp would be nan there, in value and gradient)
+    safe_logp = torch.where(probs > 0, logp, torch.zeros_like(logp))        # [N, V]
+    token_entropy = -(probs * safe_logp).sum(dim=-1)                        # [N]
+    entropy_mat = torch.zeros(valid.shape, dtype=token_entropy.dtype, device=logits.device)
+    entropy_mat = entropy_mat.masked_scatter(valid, token_entropy)          # [B, L]
+    return aggregate(entropy_mat, valid, aggregation)
+
+
+def policy_objective(
+    logp: Tensor,
+    old_logp: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    loss: str = "ppo_clip",
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    dual_clip: float | None = None,
+    aggregation: str = "token-mean",
+    ref_logp: Tensor | None = None,
+    kl_beta: float = 0.0,
+    kl_kind: str = "k3",
+    entropy: Tensor | None = None,
+    entropy_coef: float = 0.0,
+) -> tuple[Tensor, dict[str, float]]:
+    """total = LOSSES[loss] + kl_beta * kl_penalty(logp, ref_logp) - entropy_coef * entropy (ALGORITHMS.md §2).
+
+    The KL term uses the same mask and aggregation as the policy loss (GRPO's "KL in the loss", Shao et al. 2024,
+    arXiv:2402.03300); the entropy bonus follows Schulman et al. 2017, arXiv:1707.06347 (eq. 9).
+
+    Args: logp, old_logp, advantages, mask, ref_logp: [B, L]; entropy: the scalar from `entropy_from_logits` (computed
+    by the caller, who holds the logits). ref_logp may be given with kl_beta 0 to log the KL only.
+    Returns (total, metrics): the policy loss's own metrics plus pg_loss, kl_loss (when ref_logp is given), entropy
+    (when given) and loss (the total).
+    """
+    if kl_beta != 0.0 and ref_logp is None:
+        raise ValueError(f"kl_beta is {kl_beta} but no ref_logp was given: pass the reference policy's log-probs "
+                         f"or set kl_beta to 0")
+    if entropy_coef != 0.0 and entropy is None:
+        raise ValueError(f"entropy_coef is {entropy_coef} but no entropy was given: pass "
+                         f"entropy_from_logits(logits, mask, aggregation) or set entropy_coef to 0")
+    pg_loss, metrics = LOSSES[loss](
+        logp, old_logp, advantages, mask,
+        clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip, aggregation=aggregation,
+    )
+    total = pg_loss                                                         # []
+    metrics["pg_loss"] = float(pg_loss.detach())
+    if ref_logp is not None:
+        kl = kl_penalty(logp, ref_logp, mask, kind=kl_kind, aggregation=aggregation)  # []
+        metrics["kl_loss"] = float(kl.detach())
+        if kl_beta != 0.0:
+            total = total + kl_beta * kl
+    if entropy is not None:
+        metrics["entropy"] = float(entropy.detach())
+        if entropy_coef != 0.0:
+            total = total - entropy_coef * entropy
+    metrics["loss"] = float(total.detach())
+    return total, metrics
 
 
 def sft_loss(logits: Tensor, labels: Tensor, mask: Tensor) -> Tensor:

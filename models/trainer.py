@@ -1,31 +1,47 @@
 """DeepSpeed updates of a HF causal-LM policy: PPO-style RL updates on (prompt, response, advantage) rows, and SFT.
 
-One process on the CPU accelerator by default (gloo); the same code runs ZeRO 1-3 over many GPUs under the
-`deepspeed` launcher, where RANK/WORLD_SIZE/... come from the launcher.
+One process on the CPU accelerator by default (gloo, fp32); the same code runs ZeRO 1-3 over several processes under
+the `deepspeed` launcher (RANK/WORLD_SIZE/... from the launcher) and in bf16 on GPUs.
 
 Batch layout (see `collate`): position t of every [B, L] tensor describes the token at t + 1, the one that the
 logits at t predict. So `response_mask[b, t] = 1` exactly when input_ids[b, t + 1] is a response token.
+
+Steps: every rank gets the same rows. Each epoch shuffles them (seeded) and cuts them into global mini-batches of
+`mini_batch_size` rows; rank r trains on rows r, r + W, ... of each (W ranks). A rank's share is sorted longest first
+and packed into micro-batches of at most `micro_batch_size` rows and `token_budget` padded tokens. Every micro-batch
+is one forward/backward; the loss of a micro-batch is weighted by its share of the mini-batch's aggregation units
+(valid tokens, or sequences), so gradients accumulate to the gradient of the whole mini-batch's loss however it was
+split, and there is exactly one optimizer step per mini-batch.
 """
 from __future__ import annotations
 
 import contextlib
+import copy
+import functools
+import hashlib
 import json
 import math
 import os
 import random
 import socket
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, NamedTuple
+from typing import Any, Callable, Iterator, NamedTuple, Protocol
 
 import deepspeed
 import torch
+import torch.distributed as dist
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from models.losses import LOSSES, masked_token_mean, sft_loss
+from models.checkpoint import load_checkpoint, rank_and_world, save_checkpoint
+from models.losses import AGGREGATIONS, LOSSES, entropy_from_logits, masked_token_mean, policy_objective, sft_loss
 
 DEEPSPEED_CONFIG_DIR = Path(__file__).resolve().parents[1] / "infra" / "deepspeed"
+PRECISIONS = ("auto", "fp32", "bf16")
+LR_SCHEDULES = ("constant", "cosine")
+AGGREGATED_METRICS = ("loss", "pg_loss", "kl_loss", "entropy")  # policy_objective terms reduced by `aggregation`
 
 
 class TrainRow(NamedTuple):
@@ -34,7 +50,14 @@ class TrainRow(NamedTuple):
     prompt_ids: list[int]
     response_ids: list[int]
     old_logprobs: list[float] | None   # rollout log-probs of response_ids (one per token), None if unknown
-    advantage: float                   # broadcast to every response token
+    advantage: float | list[float]     # one value for every response token, or one per response token
+
+
+class ReferenceScorer(Protocol):
+    """What rl_update needs of a reference policy (models.reference.ReferencePolicy is one)."""
+
+    def ref_logprobs(self, batch: dict[str, Tensor]) -> Tensor:
+        """[B, L] log-probs of batch["target_ids"] under the reference policy."""
 
 
 def ensure_single_process_env() -> None:
@@ -60,6 +83,75 @@ def load_ds_config(zero_stage: int = 0, config_path: str | Path | None = None) -
     return json.loads(path.read_text())
 
 
+def resolve_precision(precision: str) -> str:
+    """"fp32" or "bf16": "auto" is bf16 when a GPU is visible, else fp32; bf16 is never used on CPU."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"unknown precision {precision!r}; valid: {', '.join(PRECISIONS)}")
+    if precision == "auto":
+        return "bf16" if torch.cuda.is_available() else "fp32"
+    if precision == "bf16" and not torch.cuda.is_available():
+        raise ValueError("precision 'bf16' needs a GPU (CPU training stays fp32): use precision 'auto' or 'fp32'")
+    return precision
+
+
+@dataclass
+class LrSchedule:
+    """Learning-rate multiplier after `step` optimizer steps (torch LambdaLR convention: step 0 is the first update).
+
+    Warmup: update k (1-based) of the first `warmup_steps` uses k / warmup_steps of the base rate. After it,
+    "constant" keeps 1; "cosine" decays from 1 to `min_ratio` at `total_steps` (Loshchilov & Hutter 2017, "SGDR",
+    arXiv:1608.03983) and stays there. Not frozen: LambdaLR's load_state_dict writes back its fields.
+    """
+
+    kind: str = "constant"
+    warmup_steps: int = 0
+    total_steps: int | None = None
+    min_ratio: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.kind not in LR_SCHEDULES:
+            raise ValueError(f"unknown lr schedule {self.kind!r}; valid: {', '.join(LR_SCHEDULES)}")
+        if self.warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
+        if not 0.0 <= self.min_ratio <= 1.0:
+            raise ValueError(f"min_ratio is a fraction of the base lr, in [0, 1]; got {self.min_ratio}")
+        if self.kind == "cosine" and (self.total_steps is None or self.total_steps <= self.warmup_steps):
+            raise ValueError(f"the cosine schedule needs total_steps > warmup_steps ({self.warmup_steps}), got "
+                             f"{self.total_steps}: pass the number of optimizer steps of the run")
+
+    def __call__(self, step: int) -> float:
+        if step < self.warmup_steps:
+            return (step + 1) / self.warmup_steps
+        if self.kind == "constant":
+            return 1.0
+        progress = min((step - self.warmup_steps) / (self.total_steps - self.warmup_steps), 1.0)
+        return self.min_ratio + (1.0 - self.min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def build_ds_config(
+    zero_stage: int = 0,
+    config_path: str | Path | None = None,
+    *,
+    micro_batch_size: int = 8,
+    grad_accum: int = 1,
+    grad_clip: float = 1.0,
+    precision: str = "auto",
+) -> dict:
+    """The DeepSpeed config `make_ds_engine` uses: the JSON file with batch sizes, clipping and precision filled in.
+
+    train_batch_size (micro_batch_size x grad_accum x world size) is also rl_update's default mini-batch size.
+    """
+    config = load_ds_config(zero_stage, config_path)
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    config["train_micro_batch_size_per_gpu"] = micro_batch_size
+    config["gradient_accumulation_steps"] = grad_accum
+    config["train_batch_size"] = micro_batch_size * grad_accum * world_size
+    config["gradient_clipping"] = grad_clip
+    config["bf16"] = {**config.get("bf16", {}), "enabled": resolve_precision(precision) == "bf16"}
+    config["fp16"] = {**config.get("fp16", {}), "enabled": False}
+    return config
+
+
 def make_ds_engine(
     model: torch.nn.Module,
     *,
@@ -70,40 +162,57 @@ def make_ds_engine(
     grad_clip: float = 1.0,
     micro_batch_size: int = 8,
     grad_accum: int = 1,
+    precision: str = "auto",
+    lr_schedule: str = "constant",
+    warmup_steps: int = 0,
+    total_steps: int | None = None,
+    min_lr_ratio: float = 0.0,
 ):
-    """Wraps `model` in a DeepSpeed engine (fp32) with AdamW; `engine.module` is the model afterwards.
+    """Wraps `model` in a DeepSpeed engine with AdamW over its trainable parameters; `engine.module` is the model.
 
-    The batch-size keys and gradient_clipping of the config are filled in here. A config without an "optimizer"
-    section gets a client `torch.optim.AdamW` (no JIT compile); one with a section keeps it, with lr/weight_decay set.
+    Only parameters with requires_grad train (after `models.reference.apply_lora`: the adapters). A config without
+    an "optimizer" section gets a client `torch.optim.AdamW` (no JIT compile); one with a section keeps it, with
+    lr/weight_decay set. The learning rate follows `LrSchedule(lr_schedule, warmup_steps, total_steps,
+    min_lr_ratio)` (a torch LambdaLR that DeepSpeed steps and checkpoints), unless the config has its own
+    "scheduler" section. Precision: see `resolve_precision`.
     """
     ensure_single_process_env()
-    config = load_ds_config(zero_stage, config_path)
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    config["train_micro_batch_size_per_gpu"] = micro_batch_size
-    config["gradient_accumulation_steps"] = grad_accum
-    config["train_batch_size"] = micro_batch_size * grad_accum * world_size
-    config["gradient_clipping"] = grad_clip
+    config = build_ds_config(zero_stage, config_path, micro_batch_size=micro_batch_size, grad_accum=grad_accum,
+                             grad_clip=grad_clip, precision=precision)
+    schedule = LrSchedule(lr_schedule, warmup_steps, total_steps, min_lr_ratio)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    if not trainable:
+        raise ValueError("the model has no parameter with requires_grad: nothing to train")
     optimizer = None
     if "optimizer" in config:
         config["optimizer"].setdefault("params", {}).update(lr=lr, weight_decay=weight_decay)
     else:
-        optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
-    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+        optimizer = torch.optim.AdamW(trainable, lr=lr, weight_decay=weight_decay)
+    scheduler = None
+    if "scheduler" not in config:
+        scheduler = functools.partial(torch.optim.lr_scheduler.LambdaLR, lr_lambda=schedule)
+    elif lr_schedule != "constant" or warmup_steps:
+        raise ValueError(f"config has a 'scheduler' section and lr_schedule={lr_schedule!r}/warmup_steps="
+                         f"{warmup_steps} were passed too: keep one of the two")
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=trainable, optimizer=optimizer,
+                                      lr_scheduler=scheduler, config=config)
     return engine
 
 
 @contextlib.contextmanager
 def full_weights(engine) -> Iterator[torch.nn.Module]:
-    """Yields engine.module with whole parameters: under ZeRO-3 they are partitioned (empty) outside this block.
+    """Yields the trained policy with whole parameters, as a plain HF model.
 
-    Save or serve the trained policy inside it, e.g. `with full_weights(engine) as m: save_policy(m, tok, path)`
-    (on several ranks, save from rank 0 only). A no-op for ZeRO 0-2.
+    Under ZeRO-3 the parameters are partitioned (empty) outside this block. A LoRA policy (peft) is yielded as a
+    merged copy (`merge_and_unload`), so what is saved is a plain HF model; the engine keeps training its adapters.
+    Save or serve inside it, e.g. `with full_weights(engine) as m: save_policy(m, tok, path)` (on several ranks,
+    save from rank 0 only).
     """
-    if engine.zero_optimization_stage() == 3:
-        with deepspeed.zero.GatheredParameters(list(engine.module.parameters()), modifier_rank=None):
-            yield engine.module
-    else:
-        yield engine.module
+    module = engine.module
+    gathered = (deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None)
+                if engine.zero_optimization_stage() == 3 else contextlib.nullcontext())
+    with gathered:
+        yield copy.deepcopy(module).merge_and_unload() if hasattr(module, "merge_and_unload") else module
 
 
 def collate(rows: list[TrainRow], pad_id: int) -> dict[str, Tensor]:
@@ -111,7 +220,8 @@ def collate(rows: list[TrainRow], pad_id: int) -> dict[str, Tensor]:
 
     input_ids, attention_mask: the sequences. target_ids[b, t] = input_ids[b, t + 1] (pad at the end).
     response_mask[b, t] = 1 iff target_ids[b, t] is a response token. old_logprobs / advantages: the row's rollout
-    log-prob / advantage at those positions, 0 elsewhere. has_old_logprobs [B]: whether the row carried log-probs.
+    log-prob / advantage at those positions (a scalar advantage is broadcast), 0 elsewhere. has_old_logprobs [B]:
+    whether the row carried log-probs.
     """
     if not rows:
         raise ValueError("collate needs at least one row")
@@ -132,7 +242,12 @@ def collate(rows: list[TrainRow], pad_id: int) -> dict[str, Tensor]:
         attention_mask[b, :total] = 1
         predicts_response = slice(n_prompt - 1, total - 1)                 # logits at t predict token t + 1
         response_mask[b, predicts_response] = 1.0
-        advantages[b, predicts_response] = float(row.advantage)
+        if isinstance(row.advantage, (int, float)):
+            advantages[b, predicts_response] = float(row.advantage)
+        elif len(row.advantage) != n_response:
+            raise ValueError(f"row {b}: {len(row.advantage)} advantages for {n_response} response tokens")
+        else:
+            advantages[b, predicts_response] = torch.tensor(row.advantage, dtype=torch.float32)
         if row.old_logprobs is not None:
             if len(row.old_logprobs) != n_response:
                 raise ValueError(f"row {b}: {len(row.old_logprobs)} old log-probs for {n_response} response tokens")
@@ -169,14 +284,41 @@ def token_logprobs(model, batch: dict[str, Tensor]) -> Tensor:
     return _gather_logprobs(_next_token_logits(model, batch), batch["target_ids"])
 
 
-def _masked_entropy(logits: Tensor, mask: Tensor) -> float:
-    """Mean policy entropy over the valid positions (computed on those rows only, to spare memory)."""
-    with torch.no_grad():
-        picked = logits.detach()[mask.bool()]                               # [N, V]
-        if picked.numel() == 0:
-            return 0.0
-        logp = torch.log_softmax(picked, dim=-1)                            # [N, V]
-        return float(-(logp.exp() * logp).sum(dim=-1).mean())
+# --- micro-batches ------------------------------------------------------------------------------------------------
+
+def pack_micro_batches(
+    index: list[int], lengths: list[int], *, max_rows: int, token_budget: int | None = None
+) -> list[list[int]]:
+    """Rows `index` sorted longest first (ties by index), cut greedily into micro-batches of at most `max_rows` rows
+    whose padded size (rows x longest length) is at most `token_budget`. A row longer than the budget alone gets a
+    micro-batch of its own (a row is never split)."""
+    micro: list[list[int]] = []
+    current: list[int] = []
+    for i in sorted(index, key=lambda i: (-lengths[i], i)):
+        width = lengths[current[0]] if current else lengths[i]            # longest first: the first row sets it
+        fits = len(current) < max_rows and (token_budget is None or (len(current) + 1) * width <= token_budget)
+        if current and not fits:
+            micro.append(current)
+            current = []
+        current.append(i)
+    if current:
+        micro.append(current)
+    return micro
+
+
+def _rank_micro_batches(
+    rows: list[int], lengths: list[int], *, max_rows: int, token_budget: int | None
+) -> list[tuple[list[int], bool]]:
+    """This rank's micro-batches of the global list `rows` (its shard rows[rank::world]) as (index, real).
+
+    Padded with dummy micro-batches (real=False, trained with weight 0) up to the largest count of any rank, so
+    every rank runs as many forward/backward passes: ZeRO-3 gathers and ZeRO-2 reductions are collective.
+    """
+    rank, world = rank_and_world()
+    plans = [pack_micro_batches(rows[r::world], lengths, max_rows=max_rows, token_budget=token_budget)
+             for r in range(world)]
+    count = max(len(plan) for plan in plans)
+    return [(m, True) for m in plans[rank]] + [([rows[0]], False)] * (count - len(plans[rank]))
 
 
 def _select(batch: dict[str, Tensor], index: list[int], device: torch.device | str = "cpu") -> dict[str, Tensor]:
@@ -186,16 +328,30 @@ def _select(batch: dict[str, Tensor], index: list[int], device: torch.device | s
     return {k: (v[:, :width] if v.ndim == 2 else v).to(device) for k, v in picked.items()}
 
 
-def _micro_batches(n: int, micro_batch_size: int, rng: random.Random) -> list[list[int]]:
-    order = list(range(n))
-    rng.shuffle(order)
-    return [order[i : i + micro_batch_size] for i in range(0, n, micro_batch_size)]
+def _aggregation_units(mask: Tensor, aggregation: str) -> float:
+    """How many terms `losses.aggregate` averages over: valid tokens (token-mean) or sequences with one (seq-*)."""
+    if aggregation == "token-mean":
+        return float(mask.sum())
+    return float((mask.sum(dim=-1) > 0).sum())
 
 
-def _grad_norm(engine) -> float | None:
-    """The pre-clip global gradient norm of the step just taken (None when not at a boundary)."""
-    norm = engine.get_global_grad_norm()
-    return None if norm is None else float(norm)
+def _loss_weight(part: dict[str, Tensor], units: float, aggregation: str, norm_width: int) -> float:
+    """Factor that turns the micro-batch loss (aggregated over its own units) into its share of the global
+    mini-batch loss (aggregated over all `units`). DeepSpeed averages gradients over ranks, hence the world size.
+    seq-mean-token-sum-norm divides by the micro-batch width; it is rescaled to the constant `norm_width`."""
+    share = _aggregation_units(part["response_mask"], aggregation) / max(units, 1.0)
+    if aggregation == "seq-mean-token-sum-norm":
+        share *= part["response_mask"].shape[-1] / norm_width
+    return share * rank_and_world()[1]
+
+
+def _all_reduce_sum(tensor: Tensor, device: torch.device) -> Tensor:
+    """Sum over ranks (moved to the engine's device for NCCL and back); a no-op on one rank."""
+    if rank_and_world()[1] == 1:
+        return tensor
+    moved = tensor.to(device)
+    dist.all_reduce(moved, op=dist.ReduceOp.SUM)
+    return moved.to(tensor.device)
 
 
 def _params_grad_norm(module: torch.nn.Module) -> float:
@@ -203,17 +359,157 @@ def _params_grad_norm(module: torch.nn.Module) -> float:
     return float(torch.stack(squares).sum().sqrt()) if squares else 0.0
 
 
-def _backward_and_step(engine, loss: Tensor) -> tuple[bool, float | None]:
-    """One engine.backward + engine.step; returns (an optimizer step was taken, its grad norm)."""
-    engine.backward(loss)
-    at_boundary = engine.is_gradient_accumulation_boundary()
-    # ZeRO-0 with a client optimizer does not record the norm; grads are whole on the params then.
-    fallback = _params_grad_norm(engine.module) if at_boundary and engine.zero_optimization_stage() == 0 else None
-    engine.step()
-    if not at_boundary:
-        return False, None
-    norm = _grad_norm(engine)
-    return True, norm if norm is not None else fallback
+def _train_mini_batch(
+    engine, micro: list[tuple[dict[str, Tensor], float]], loss_of: Callable[[dict[str, Tensor]], tuple[Tensor, dict]]
+) -> tuple[float, list[dict[str, float]]]:
+    """Backward of every weighted micro-batch loss, then one optimizer step: the trainer sets the accumulation
+    boundary itself, DeepSpeed's gradient_accumulation_steps does not count. Returns the pre-clip global grad norm
+    and each micro-batch's metrics."""
+    metrics, fallback_norm = [], None
+    for i, (part, weight) in enumerate(micro):
+        last = i == len(micro) - 1
+        engine.set_gradient_accumulation_boundary(last)
+        loss, part_metrics = loss_of(part)
+        engine.backward(loss * weight, scale_wrt_gas=False)
+        metrics.append(part_metrics)
+        if last and engine.zero_optimization_stage() == 0:  # ZeRO-0 + client optimizer records no norm
+            fallback_norm = _params_grad_norm(engine.module)
+        engine.step()
+    norm = engine.get_global_grad_norm()
+    return float(norm) if norm is not None else float(fallback_norm or 0.0), metrics
+
+
+# --- RL update ----------------------------------------------------------------------------------------------------
+
+def _micro_objective(engine, part: dict[str, Tensor], objective: dict[str, Any]) -> tuple[Tensor, dict[str, float]]:
+    """The one place where the RL objective of a micro-batch is computed: `losses.policy_objective` (policy loss
+    + kl_beta * KL to the reference - entropy_coef * entropy), aggregated over the micro-batch."""
+    logits = _next_token_logits(engine, part)                               # [b, l, V]
+    logp = _gather_logprobs(logits, part["target_ids"])                     # [b, l]
+    mask = part["response_mask"]                                            # [b, l]
+    if objective["entropy_coef"]:
+        entropy = entropy_from_logits(logits, mask, objective["aggregation"])
+    else:
+        with torch.no_grad():
+            entropy = entropy_from_logits(logits.detach(), mask, objective["aggregation"])
+    return policy_objective(logp, part["old_logprobs"], part["advantages"], mask,
+                            ref_logp=part.get("ref_logprobs"), entropy=entropy, **objective)
+
+
+def _score_rows(engine, batch: dict[str, Tensor], lengths: list[int], reference: ReferenceScorer | None, *,
+                max_rows: int, token_budget: int | None) -> tuple[Tensor, Tensor | None]:
+    """[B, L] log-probs of every row under the current weights (the PPO "old" policy) and under `reference`.
+
+    Each rank scores its shard in eval mode; the shards are summed across ranks, so every rank holds all rows.
+    """
+    old = torch.zeros_like(batch["old_logprobs"])                           # [B, L]
+    ref = torch.zeros_like(old) if reference is not None else None         # [B, L]
+    engine.module.eval()
+    with torch.no_grad():
+        for index, real in _rank_micro_batches(list(range(len(lengths))), lengths, max_rows=max_rows,
+                                               token_budget=token_budget):
+            part = _select(batch, index, engine.device)
+            width = part["input_ids"].shape[1]
+            scored = token_logprobs(engine, part).cpu()                    # [b, l]
+            scored_ref = reference.ref_logprobs(part).cpu() if reference is not None else None
+            if real:
+                old[index, :width] = scored
+                if ref is not None:
+                    ref[index, :width] = scored_ref
+    engine.module.train()
+    old = _all_reduce_sum(old, engine.device)
+    return old, _all_reduce_sum(ref, engine.device) if ref is not None else None
+
+
+def _engine_settings(engine) -> dict[str, Any]:
+    """The engine's training hyperparameters (optimizer groups, LR schedule, clipping, ZeRO stage, precision)."""
+    scheduler = engine.lr_scheduler
+    return {
+        "optimizer": [{k: v for k, v in group.items() if k not in ("params", "lr")}
+                      for group in engine.optimizer.param_groups],
+        "base_lrs": getattr(scheduler, "base_lrs", None),
+        "schedule": [vars(f) for f in getattr(scheduler, "lr_lambdas", []) if isinstance(f, LrSchedule)],
+        "grad_clip": engine.gradient_clipping(),
+        "zero_stage": engine.zero_optimization_stage(),
+        "bf16": engine.bfloat16_enabled(),
+    }
+
+
+def _fingerprint(batch: dict[str, Tensor], settings: dict[str, Any]) -> str:
+    """Identifies an rl_update call (rows + settings), so a checkpoint of another call is never resumed."""
+    digest = hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode())
+    for name in ("input_ids", "attention_mask", "response_mask", "advantages", "old_logprobs"):
+        digest.update(batch[name].numpy().tobytes())
+    return digest.hexdigest()
+
+
+def _fresh_state(engine, batch, lengths, rows, reference, *, fingerprint, epochs, seed, max_rows, token_budget):
+    """Trainer state at the start of an rl_update call: scored rows, every epoch's shuffled order, position 0."""
+    old, ref = _score_rows(engine, batch, lengths, reference, max_rows=max_rows, token_budget=token_budget)
+    mask = batch["response_mask"]                                           # [B, L]
+    carried = mask * batch["has_old_logprobs"][:, None]                     # [B, L]
+    mismatch = {}
+    if carried.sum() > 0:
+        gap = (old - batch["old_logprobs"]).abs()                           # [B, L]
+        mismatch["logp_mismatch_mean"] = float(masked_token_mean(gap, carried))
+        mismatch["logp_mismatch_max"] = float(torch.where(carried.bool(), gap, torch.zeros_like(gap)).max())
+    rng = random.Random(seed)
+    orders = []
+    for _ in range(epochs):
+        order = list(range(len(rows)))
+        rng.shuffle(order)
+        orders.append(order)
+    zero = torch.zeros_like(old)
+    return {
+        "fingerprint": fingerprint, "orders": orders, "mismatch": mismatch,
+        "old_logprobs": torch.where(mask.bool(), old, zero),
+        "ref_logprobs": torch.where(mask.bool(), ref, zero) if ref is not None else None,
+        "updates_done": 0, "epoch": 0, "mini_batch": 0,  # data position: next epoch / mini-batch to train
+        "micro_batches_done": 0,                           # this rank's forward/backward passes so far
+        "metric_sums": {}, "finished": False, "result": None,
+    }
+
+
+def _mini_batch_parts(engine, batch, mini: list[int], lengths: list[int], *, aggregation: str, max_rows: int,
+                      token_budget: int | None, norm_width: int):
+    """This rank's micro-batches of the global mini-batch `mini` as (part, loss weight), and per micro-batch its
+    (share of the mini-batch loss, share of the mini-batch's response tokens) for the metrics; 0 for fillers."""
+    units = _aggregation_units(batch["response_mask"][mini], aggregation)
+    mini_tokens = float(batch["response_mask"][mini].sum())
+    micro, shares = [], []
+    for index, real in _rank_micro_batches(mini, lengths, max_rows=max_rows, token_budget=token_budget):
+        part = _select(batch, index, engine.device)
+        weight = _loss_weight(part, units, aggregation, norm_width) if real else 0.0
+        micro.append((part, weight))
+        token_share = float(part["response_mask"].sum()) / max(mini_tokens, 1.0) if real else 0.0
+        shares.append((weight / rank_and_world()[1], token_share))
+    return micro, shares
+
+
+def _update_metrics(engine, mini: list[int], batch, micro_metrics, shares, advantages, lengths, lr, elapsed):
+    """One optimizer step's metrics over the whole global mini-batch, summed over micro-batches and ranks.
+
+    shares: per micro-batch (its share of the mini-batch loss, its share of the mini-batch's response tokens). The
+    aggregated terms (AGGREGATED_METRICS) are weighted by the first, so they equal the mini-batch objective's terms;
+    the token means of the policy loss (clip_fraction, approx_kl, ratio_mean, ...) by the second.
+    """
+    keys = sorted(micro_metrics[0])
+    local = torch.tensor([[share[k not in AGGREGATED_METRICS] * m[k] for k in keys]
+                          for share, m in zip(shares, micro_metrics)], dtype=torch.float64).sum(dim=0)  # [K]
+    reduced = _all_reduce_sum(local, engine.device)                         # [K]
+    metrics = dict(zip(keys, reduced.tolist()))
+    picked = torch.tensor([advantages[i] for i in mini], dtype=torch.float64)  # [M]
+    tokens = sum(lengths[i] for i in mini)
+    metrics.update(
+        lr=lr,
+        advantage_mean=float(picked.mean()),
+        advantage_std=float(picked.std()) if len(mini) > 1 else 0.0,
+        response_length=float(batch["response_mask"][mini].sum()) / len(mini),
+        tokens=float(tokens),
+        tokens_per_s=tokens / max(elapsed, 1e-9),
+        micro_batches=float(len(micro_metrics)),
+    )
+    return metrics
 
 
 def rl_update(
@@ -229,72 +525,120 @@ def rl_update(
     loss: str = "ppo_clip",
     aggregation: str = "token-mean",
     seed: int = 0,
+    mini_batch_size: int | None = None,
+    token_budget: int | None = None,
+    reference: ReferenceScorer | None = None,
+    kl_beta: float = 0.0,
+    kl_kind: str = "k3",
+    entropy_coef: float = 0.0,
+    on_update: Callable[[int, dict[str, float]], None] | None = None,
+    checkpoint_dir: str | Path | None = None,
+    checkpoint_every: int = 50,
 ) -> dict[str, float]:
-    """Policy-gradient update on `rows` with the LOSSES[loss] objective; returns averaged metrics.
+    """Policy-gradient update on `rows` with `losses.policy_objective`; returns metrics averaged over updates.
 
+    rows: the whole batch, the same list on every rank (see the module docstring for how ranks share it).
+    mini_batch_size: rows per optimizer step, over all ranks (default engine.train_batch_size(), i.e. micro_batch_size
+        x grad_accum x world size); `aggregation` normalizes over the whole mini-batch, so the update does not
+        depend on how rows are cut into micro-batches or ranks.
+    micro_batch_size / token_budget: at most this many rows / padded tokens (rows x longest) per forward pass.
     Old log-probs are recomputed under the current weights first (so ratio = 1 on the first step); when rows carry
     rollout log-probs, |recomputed - rollout| is reported as logp_mismatch_mean/max (engine/trainer drift).
-    Each epoch shuffles the rows (seeded) into micro-batches; each micro-batch is one engine.backward + engine.step,
-    and DeepSpeed's gradient_accumulation_steps decides when the optimizer steps. The token-mean aggregation is
-    per micro-batch.
+    reference (e.g. `models.reference.ReferencePolicy`): scored once at the start; needed when kl_beta > 0, and
+    with kl_beta 0 the KL is only logged (kl_loss).
+    on_update(step, metrics): called on every rank after every optimizer step (step = engine.global_steps) with that
+    step's loss terms, clip fraction, approx KL, entropy, grad norm, lr, advantage stats, response length, tokens/s.
+    checkpoint_dir: save a complete checkpoint (`models.checkpoint`) every `checkpoint_every` optimizer steps and at
+    the end; a call with the same rows and settings resumes from the newest complete one, skipping the mini-batches
+    already done, and ends bit-identical to an uninterrupted call (same seed, same hardware). One directory per call.
     """
     if not rows:
         raise ValueError("rl_update got no rows")
-    if epochs < 1:
-        raise ValueError(f"epochs must be >= 1, got {epochs}")
-    loss_fn = LOSSES[loss]
+    for name, value in (("epochs", epochs), ("micro_batch_size", micro_batch_size), ("mini_batch_size",
+                        mini_batch_size), ("token_budget", token_budget), ("checkpoint_every", checkpoint_every)):
+        if value is not None and value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
+    if aggregation not in AGGREGATIONS:
+        raise ValueError(f"unknown aggregation {aggregation!r}; valid: {', '.join(AGGREGATIONS)}")
+    LOSSES[loss]  # unknown names fail here, listing the valid ones
+    if kl_beta and reference is None:
+        raise ValueError(f"kl_beta is {kl_beta} but no reference was given: pass reference=ReferencePolicy(model) "
+                         f"(models.reference; build it before make_ds_engine) or set kl_beta to 0")
     started = time.perf_counter()
     batch = collate(rows, pad_id)
-    metrics: dict[str, float] = {}
+    lengths = batch["attention_mask"].sum(dim=1).tolist()
+    mini_size = mini_batch_size or engine.train_batch_size()
+    objective = dict(loss=loss, clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip, aggregation=aggregation,
+                     kl_beta=kl_beta, kl_kind=kl_kind, entropy_coef=entropy_coef)
+    settings = dict(objective, pad_id=pad_id, micro_batch_size=micro_batch_size, mini_batch_size=mini_size,
+                    token_budget=token_budget, epochs=epochs, seed=seed, world=rank_and_world()[1],
+                    reference=reference is not None, engine=_engine_settings(engine))
+    fingerprint = _fingerprint(batch, settings)
 
-    engine.module.eval()
-    with torch.no_grad():
-        old = torch.zeros_like(batch["old_logprobs"])                       # [B, L]
-        for index in _micro_batches(len(rows), micro_batch_size, random.Random(0)):
-            part = _select(batch, index)
-            old[index, : part["input_ids"].shape[1]] = token_logprobs(engine, part).cpu()
-    mask = batch["response_mask"]                                           # [B, L]
-    carried = mask * batch["has_old_logprobs"][:, None]                     # [B, L]
-    if carried.sum() > 0:
-        gap = (old - batch["old_logprobs"]).abs()                           # [B, L]
-        metrics["logp_mismatch_mean"] = float(masked_token_mean(gap, carried))
-        metrics["logp_mismatch_max"] = float(torch.where(carried.bool(), gap, torch.zeros_like(gap)).max())
-    batch["old_logprobs"] = torch.where(mask.bool(), old, torch.zeros_like(old))
+    state = load_checkpoint(engine, checkpoint_dir, fingerprint=fingerprint) if checkpoint_dir is not None else None
+    if state is not None and state["finished"]:
+        return state["result"]
+    if state is None:
+        state = _fresh_state(engine, batch, lengths, rows, reference, fingerprint=fingerprint, epochs=epochs,
+                             seed=seed, max_rows=micro_batch_size, token_budget=token_budget)
+    batch["old_logprobs"] = state["old_logprobs"]
+    if state["ref_logprobs"] is not None:
+        batch["ref_logprobs"] = state["ref_logprobs"]
 
     engine.module.train()
-    rng = random.Random(seed)
-    sums: dict[str, float] = {}
-    micro_steps, updates, tokens, grad_norms = 0, 0, 0, []
-    for _ in range(epochs):
-        for index in _micro_batches(len(rows), micro_batch_size, rng):
-            part = _select(batch, index, engine.device)
-            logits = _next_token_logits(engine, part)                      # [b, l, V]
-            logp = _gather_logprobs(logits, part["target_ids"])             # [b, l]
-            loss_value, step_metrics = loss_fn(
-                logp, part["old_logprobs"], part["advantages"], part["response_mask"],
-                clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip, aggregation=aggregation,
-            )
-            step_metrics["loss"] = float(loss_value.detach())
-            step_metrics["entropy"] = _masked_entropy(logits, part["response_mask"])
-            stepped, norm = _backward_and_step(engine, loss_value)
-            updates += int(stepped)
-            if norm is not None:
-                grad_norms.append(norm)
-            for name, value in step_metrics.items():
-                sums[name] = sums.get(name, 0.0) + value
-            micro_steps += 1
-            tokens += int(part["attention_mask"].sum())
+    advantages = _row_advantages(rows)
+    norm_width = batch["input_ids"].shape[1]
+    per_epoch = math.ceil(len(rows) / mini_size)
+    total_updates = epochs * per_epoch
+    tokens_this_call = 0
+    for update in range(state["updates_done"], total_updates):
+        step_started = time.perf_counter()
+        epoch, index = divmod(update, per_epoch)
+        mini = state["orders"][epoch][index * mini_size : (index + 1) * mini_size]
+        micro, shares = _mini_batch_parts(engine, batch, mini, lengths, aggregation=aggregation,
+                                          max_rows=micro_batch_size, token_budget=token_budget, norm_width=norm_width)
+        lr = float(engine.get_lr()[0])
+        grad_norm, micro_metrics = _train_mini_batch(engine, micro, lambda p: _micro_objective(engine, p, objective))
+        metrics = _update_metrics(engine, mini, batch, micro_metrics, shares, advantages, lengths, lr,
+                                  time.perf_counter() - step_started)
+        metrics["grad_norm"] = grad_norm
+        tokens_this_call += int(metrics["tokens"])
+        for name, value in metrics.items():
+            state["metric_sums"][name] = state["metric_sums"].get(name, 0.0) + value
+        state.update(updates_done=update + 1, epoch=(update + 1) // per_epoch, mini_batch=(update + 1) % per_epoch,
+                     micro_batches_done=state["micro_batches_done"] + len(micro))
+        if on_update is not None:
+            on_update(int(engine.global_steps), metrics)
+        finished = update + 1 == total_updates
+        if finished:
+            state.update(finished=True, result=_rl_result(state, rows, batch, tokens_this_call, started))
+        if checkpoint_dir is not None and (finished or (update + 1) % checkpoint_every == 0):
+            save_checkpoint(engine, checkpoint_dir, update + 1, state)
+    return state["result"]
 
-    metrics.update({name: total / micro_steps for name, total in sums.items()})
-    advantages = torch.tensor([float(r.advantage) for r in rows])          # [B]
-    metrics["grad_norm"] = sum(grad_norms) / len(grad_norms) if grad_norms else float("nan")
-    metrics["advantage_mean"] = float(advantages.mean())
-    metrics["advantage_std"] = float(advantages.std()) if len(rows) > 1 else 0.0
-    metrics["response_length"] = sum(len(r.response_ids) for r in rows) / len(rows)
-    metrics["tokens_per_s"] = tokens / max(time.perf_counter() - started, 1e-9)
-    metrics["updates"] = float(updates)
-    return metrics
 
+def _row_advantages(rows: list[TrainRow]) -> list[float]:
+    """Each row's advantage (the mean over its tokens when it has one per token), for the advantage statistics."""
+    return [float(r.advantage) if isinstance(r.advantage, (int, float))
+            else sum(r.advantage) / max(len(r.advantage), 1) for r in rows]
+
+
+def _rl_result(state, rows, batch, tokens_this_call: int, started: float) -> dict[str, float]:
+    """rl_update's return value: per-update metrics averaged over all updates of the call, the rollout log-prob
+    mismatch, and advantage / response-length statistics over all rows."""
+    updates = max(state["updates_done"], 1)
+    result = {name: total / updates for name, total in state["metric_sums"].items()}
+    result.update(state["mismatch"])
+    advantages = torch.tensor(_row_advantages(rows))                       # [B]
+    result["advantage_mean"] = float(advantages.mean())
+    result["advantage_std"] = float(advantages.std()) if len(rows) > 1 else 0.0
+    result["response_length"] = float(batch["response_mask"].sum()) / len(rows)
+    result["tokens_per_s"] = tokens_this_call / max(time.perf_counter() - started, 1e-9)
+    result["updates"] = float(state["updates_done"])
+    return result
+
+
+# --- SFT ----------------------------------------------------------------------------------------------------------
 
 def sft_update(
     engine,
@@ -305,11 +649,14 @@ def sft_update(
     epochs: int,
     seed: int = 0,
     progress: bool = True,
+    mini_batch_size: int | None = None,
+    token_budget: int | None = None,
 ) -> dict[str, float]:
     """Supervised fine-tuning on (prompt_ids, response_ids) pairs; only response tokens are trained.
 
-    Returns loss_first / loss_last (first and last micro-batch), loss_first_epoch / loss_last_epoch (epoch means),
-    updates (optimizer steps) and tokens_per_s.
+    Steps as in rl_update: one optimizer step per mini-batch (default engine.train_batch_size() pairs), token-mean
+    cross-entropy over the mini-batch. Returns loss_first / loss_last (first and last micro-batch of this rank),
+    loss_first_epoch / loss_last_epoch (epoch means), updates (optimizer steps) and tokens_per_s.
     """
     if not pairs:
         raise ValueError("sft_update got no pairs")
@@ -317,29 +664,43 @@ def sft_update(
         raise ValueError(f"epochs must be >= 1, got {epochs}")
     started = time.perf_counter()
     batch = collate([TrainRow(p, r, None, 0.0) for p, r in pairs], pad_id)
+    lengths = batch["attention_mask"].sum(dim=1).tolist()
+    mini_size = mini_batch_size or engine.train_batch_size()
     rng = random.Random(seed)
     engine.module.train()
     losses_per_epoch: list[list[float]] = []
     updates, tokens = 0, 0
-    n_micro = math.ceil(len(pairs) / micro_batch_size)
-    with tqdm(total=epochs * n_micro, desc="sft", unit="batch", disable=not progress) as bar:
+
+    def loss_of(part: dict[str, Tensor]) -> tuple[Tensor, dict[str, float]]:
+        value = sft_loss(_next_token_logits(engine, part), part["target_ids"], part["response_mask"])
+        return value, {"loss": float(value.detach())}
+
+    with tqdm(total=epochs * math.ceil(len(pairs) / mini_size), desc="sft", unit="step", disable=not progress) as bar:
         for _ in range(epochs):
+            order = list(range(len(pairs)))
+            rng.shuffle(order)
             epoch_losses = []
-            for index in _micro_batches(len(pairs), micro_batch_size, rng):
-                part = _select(batch, index, engine.device)
-                loss_value = sft_loss(_next_token_logits(engine, part), part["target_ids"], part["response_mask"])
-                stepped, _ = _backward_and_step(engine, loss_value)
-                updates += int(stepped)
-                tokens += int(part["attention_mask"].sum())
-                epoch_losses.append(float(loss_value.detach()))
+            for start in range(0, len(order), mini_size):
+                mini = order[start : start + mini_size]
+                units = _aggregation_units(batch["response_mask"][mini], "token-mean")
+                plan = _rank_micro_batches(mini, lengths, max_rows=micro_batch_size, token_budget=token_budget)
+                micro = []
+                for index, real in plan:
+                    part = _select(batch, index, engine.device)
+                    micro.append((part, _loss_weight(part, units, "token-mean", 1) if real else 0.0))
+                    tokens += int(part["attention_mask"].sum()) if real else 0
+                _, metrics = _train_mini_batch(engine, micro, loss_of)
+                epoch_losses.extend(m["loss"] for m, (_, real) in zip(metrics, plan) if real)
+                updates += 1
                 bar.update(1)
-                bar.set_postfix(loss=f"{epoch_losses[-1]:.3f}")
+                bar.set_postfix(loss=f"{epoch_losses[-1]:.3f}" if epoch_losses else "-")
             losses_per_epoch.append(epoch_losses)
+    first, last = losses_per_epoch[0] or [math.nan], losses_per_epoch[-1] or [math.nan]  # nan: a rank with no pair
     return {
-        "loss_first": losses_per_epoch[0][0],
-        "loss_last": losses_per_epoch[-1][-1],
-        "loss_first_epoch": sum(losses_per_epoch[0]) / len(losses_per_epoch[0]),
-        "loss_last_epoch": sum(losses_per_epoch[-1]) / len(losses_per_epoch[-1]),
+        "loss_first": first[0],
+        "loss_last": last[-1],
+        "loss_first_epoch": sum(first) / len(first),
+        "loss_last_epoch": sum(last) / len(last),
         "updates": float(updates),
         "tokens_per_s": tokens / max(time.perf_counter() - started, 1e-9),
     }

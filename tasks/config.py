@@ -115,16 +115,52 @@ class MineConfig:
 @dataclass(frozen=True)
 class TrainConfig:
     advantage: str = "grpo"
-    """Advantage estimator (models.advantages.ADVANTAGES)."""
+    """Advantage estimator (models.advantages.ADVANTAGES): grpo, dr_grpo, rloo, reinforce_pp, reinforce_pp_baseline,
+    gigpo, graphgpo, turn_level."""
     loss: str = "ppo_clip"
-    """Policy loss (models.losses.LOSSES)."""
+    """Policy loss (models.losses.LOSSES): ppo_clip, vanilla_pg."""
+    aggregation: str = "token-mean"
+    """Loss aggregation: token-mean, seq-mean-token-sum, seq-mean-token-mean, seq-mean-token-sum-norm."""
+    filters: tuple[str, ...] = ()
+    """Data filters and shaping before the advantages (datapool.filters.FILTERS), applied in this order. Empty by
+    default: FrozenLake's turn limit is part of the task, so "truncated" would drop real failures."""
+    aux: tuple[str, ...] = ()
+    """Auxiliary losses (models.aux_losses.AUX_LOSSES): echo and seal need layout: concatenated."""
+    layout: str = "step_rows"
+    """step_rows (one row per step, anchors for step-level credit) or concatenated (one sequence per trajectory)."""
     lr: float = 0.0005
     epochs: int = 2
     micro_batch_size: int = 64
+    """Rows per forward pass (and per optimizer step unless mini_batch_size is set)."""
+    mini_batch_size: int = 0
+    """Rows per optimizer step; 0 = micro_batch_size (gradient accumulation when larger)."""
+    token_budget: int = 0
+    """Padded tokens per forward pass (rows x longest); 0 = no budget, micro_batch_size only."""
     clip_low: float = 0.2
     clip_high: float = 0.28
+    dual_clip: float = 0.0
+    """Dual-clip constant c for negative advantages (3.0 in the paper); 0 = off."""
+    kl_beta: float = 0.0
+    """Weight of the KL penalty to the frozen reference policy (the round's starting policy); 0 = no reference."""
+    kl_kind: str = "k3"
+    entropy_coef: float = 0.0
+    gamma: float = 0.95
+    """Step discount of gigpo / graphgpo / turn_level step returns."""
+    omega: float = 1.0
+    """gigpo: A = A^E + omega * A^S."""
+    anchor_mode: str = "exact"
+    """gigpo/graphgpo anchor grouping: exact or fuzzy."""
+    echo_weight: float = 0.05
+    seal_weight: float = 0.01
+    lora_r: int = 0
+    """LoRA rank via peft (0 = full fine-tuning); the saved policy has the adapters merged."""
+    overlong_max_tokens: int = 64
+    """overlong filter: total response tokens of a trajectory at which the full penalty applies."""
+    overlong_buffer_tokens: int = 16
     zero_stage: int = 0
     """DeepSpeed ZeRO stage (infra/deepspeed/zero{N}.json)."""
+    checkpoint_every: int = 20
+    """Optimizer steps between resumable checkpoints (under artifacts/checkpoints/train_<round>)."""
 
 
 @dataclass(frozen=True)
@@ -174,10 +210,13 @@ def _coerce(section: str, key: str, expected: Any, value: Any) -> Any:
         ok = isinstance(value, bool)
     elif expected is str:
         ok = isinstance(value, str)
+    elif typing.get_origin(expected) is tuple:  # tuple[str, ...]: a YAML list of strings
+        ok = isinstance(value, (list, tuple)) and all(isinstance(item, str) for item in value)
+        value = tuple(value) if ok else value
     else:
-        ok = True
+        raise TypeError(f"tasks/config.py: unsupported annotation {expected!r} for {section}.{key}")
     if not ok:
-        name = getattr(expected, "__name__", str(expected))
+        name = "a list of strings" if typing.get_origin(expected) is tuple else getattr(expected, "__name__", str(expected))
         raise ParamsError(f"params.yaml: {section}.{key} must be {name}, got {value!r} ({type(value).__name__})")
     return value
 
@@ -220,6 +259,11 @@ def check_params(params: Params) -> None:
         raise ParamsError(f"params.yaml: bootstrap.arch must be one of ['qwen2', 'llama'], got {params.bootstrap.arch!r}")
     if params.transfer.arch not in ("qwen2", "llama"):
         raise ParamsError(f"params.yaml: transfer.arch must be one of ['qwen2', 'llama'], got {params.transfer.arch!r}")
+    if params.train.layout not in ("step_rows", "concatenated"):
+        raise ParamsError(f"params.yaml: train.layout must be step_rows or concatenated, got {params.train.layout!r}")
+    if params.train.aux and params.train.layout != "concatenated":
+        raise ParamsError(f"params.yaml: train.aux {list(params.train.aux)} needs train.layout: concatenated (the "
+                          "auxiliary losses read observation tokens inside whole-trajectory sequences)")
     if params.train.zero_stage not in (0, 1, 2, 3):
         raise ParamsError(f"params.yaml: train.zero_stage must be 0-3, got {params.train.zero_stage}")
     if params.rollout.scenarios_per_round > params.bootstrap.train_scenarios:
@@ -240,4 +284,6 @@ def load_params(path: str | Path = "params.yaml") -> Params:
 
 
 def params_to_dict(params: Params) -> dict[str, dict[str, Any]]:
-    return dataclasses.asdict(params)
+    """Plain YAML-ready values (tuples become lists)."""
+    return {section: {key: list(value) if isinstance(value, tuple) else value for key, value in values.items()}
+            for section, values in dataclasses.asdict(params).items()}

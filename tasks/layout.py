@@ -40,6 +40,10 @@ class Layout:
     def skills(self, round_index: int) -> Path:
         return self.root / "artifacts" / "skills" / f"round_{round_index}"
 
+    def train_checkpoints(self, round_index: int) -> Path:
+        """Resumable training state of round r (not a DVC output: removed once the round's policy is saved)."""
+        return self.root / "artifacts" / "checkpoints" / f"train_{round_index}"
+
     @property
     def metrics_dir(self) -> Path:
         return self.root / "metrics"

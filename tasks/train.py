@@ -1,58 +1,110 @@
-"""train: advantages (registry) over the validated groups, policy loss (registry), DeepSpeed update, new policy."""
+"""train: filters and shaping, advantages (registry), policy loss (registry), DeepSpeed update, new policy version."""
 from __future__ import annotations
 
 import shutil
 from typing import Any
 
+import pandas as pd
 import torch
 
+from datapool.filters import FILTERS, FilterConfig, apply_filters
 from datapool.parquet import read_steps
-from models.advantages import ADVANTAGES
+from models.advantages import ADVANTAGES, AdvantageConfig, StepBatch
+from models.aux_losses import AUX_LOSSES
 from models.build import load_policy, save_policy
+from models.checkpoint import rank_and_world
 from models.losses import LOSSES
+from models.reference import ReferencePolicy, apply_lora
 from models.trainer import TrainRow, full_weights, make_ds_engine, rl_update
 from tasks.common import seed_everything, write_json
-from tasks.config import Params
+from tasks.config import Params, TrainConfig
 from tasks.layout import Layout, require
 from tasks.tracking import log_metrics, register_policy
 
 
-def trajectory_advantages(frame, estimator: str) -> dict[str, float]:
-    """Per-trajectory advantage from episode returns, normalized within scenario groups."""
-    per_traj = frame.groupby("trajectory_id").agg(group_id=("group_id", "first"),
-                                                  score=("episode_return", "first")).reset_index()
-    group_codes = {g: i for i, g in enumerate(sorted(per_traj["group_id"].unique()))}
-    scores = torch.tensor(per_traj["score"].to_numpy(), dtype=torch.float32)  # [N]
-    groups = torch.tensor([group_codes[g] for g in per_traj["group_id"]], dtype=torch.long)  # [N]
-    advantages = ADVANTAGES[estimator](scores, groups)  # [N]
-    return dict(zip(per_traj["trajectory_id"], advantages.tolist()))
+def check_names(cfg: TrainConfig) -> None:
+    """Unknown registry names fail before any work, listing the valid ones."""
+    ADVANTAGES[cfg.advantage]
+    LOSSES[cfg.loss]
+    for name in cfg.filters:
+        FILTERS[name]
+    for name in cfg.aux:
+        AUX_LOSSES[name]
+
+
+def step_batch(frame: pd.DataFrame) -> StepBatch:
+    """The advantage estimators' batch record for a step table (one row per step, rows in table order)."""
+    traj_codes = {t: i for i, t in enumerate(dict.fromkeys(frame["trajectory_id"]))}
+    group_codes = {g: i for i, g in enumerate(dict.fromkeys(frame["group_id"]))}
+    lengths = [len(ids) for ids in frame["response_ids"]]
+    width = max(lengths, default=0)
+    mask = torch.zeros(len(frame), width)                                              # [R, L]
+    for row, length in enumerate(lengths):
+        mask[row, :length] = 1.0
+    return StepBatch(
+        rewards=torch.tensor(frame["reward"].to_numpy(), dtype=torch.float64),          # [R]
+        traj_index=torch.tensor([traj_codes[t] for t in frame["trajectory_id"]]),       # [R]
+        group_index=torch.tensor([group_codes[g] for g in frame["group_id"]]),          # [R]
+        step_index=torch.tensor(frame["step_index"].to_numpy(), dtype=torch.long),     # [R]
+        anchors=tuple(str(a) for a in frame["anchor"]),
+        won=torch.tensor(frame["won"].to_numpy(dtype=bool)),                            # [R]
+        action_valid=torch.tensor(frame["action_valid"].to_numpy(dtype=bool)),          # [R]
+        response_mask=mask,
+    )
+
+
+def training_rows(frame: pd.DataFrame, cfg: TrainConfig) -> tuple[list[TrainRow], dict[str, float]]:
+    """Step rows with per-token advantages from the configured estimator."""
+    result = ADVANTAGES[cfg.advantage](step_batch(frame), AdvantageConfig(gamma=cfg.gamma, omega=cfg.omega,
+                                                                          anchor_mode=cfg.anchor_mode))
+    rows = []
+    for i, record in enumerate(frame.itertuples(index=False)):
+        length = len(record.response_ids)
+        rows.append(TrainRow(list(record.prompt_ids), list(record.response_ids), list(record.logprobs),
+                             result.token_advantages[i, :length].tolist()))
+    return rows, result.metrics
+
+
+def log_update(step: int, metrics: dict[str, float]) -> None:
+    log_metrics(metrics, step=step, prefix="update.")
 
 
 def run(params: Params, layout: Layout, round_index: int) -> dict[str, Any]:
     cfg = params.train
-    LOSSES[cfg.loss]  # unknown names fail before any work, listing the valid ones
+    check_names(cfg)
     seed = params.pipeline.seed * 1000 + round_index
     seed_everything(seed)
-    frame, metadata = read_steps(require(layout.validated(round_index), f"validate_{round_index}"))
-    model, tokenizer = load_policy(require(layout.round_policy(round_index),
-                                           "warmstart" if round_index == 1 else f"train_{round_index - 1}"))
+    frame, _ = read_steps(require(layout.validated(round_index), f"validate_{round_index}"))
+    source = require(layout.round_policy(round_index), "warmstart" if round_index == 1 else f"train_{round_index - 1}")
+    model, tokenizer = load_policy(source)
     target = layout.policy(f"round_{round_index}")
-    metrics: dict[str, Any] = {"round": round_index, "rows": len(frame)}
+    frame, metrics = apply_filters(frame, list(cfg.filters), FilterConfig(
+        overlong_max_tokens=cfg.overlong_max_tokens, overlong_buffer_tokens=cfg.overlong_buffer_tokens))
+    metrics = {"round": round_index, "rows": len(frame), **metrics}
     if target.exists():
         shutil.rmtree(target)
     if len(frame) == 0:
         metrics["skipped_no_signal"] = 1
         save_policy(model, tokenizer, target)
     else:
-        advantages = trajectory_advantages(frame, cfg.advantage)
-        rows = [TrainRow(list(r.prompt_ids), list(r.response_ids), list(r.logprobs), advantages[r.trajectory_id])
-                for r in frame.itertuples()]
+        rows, advantage_metrics = training_rows(frame, cfg)
+        metrics.update(advantage_metrics)
+        reference = ReferencePolicy(model) if cfg.kl_beta > 0 and cfg.lora_r == 0 else None
+        if cfg.lora_r > 0:
+            model = apply_lora(model, r=cfg.lora_r, alpha=2 * cfg.lora_r)
+            reference = ReferencePolicy(model) if cfg.kl_beta > 0 else None
         engine = make_ds_engine(model, lr=cfg.lr, zero_stage=cfg.zero_stage, micro_batch_size=cfg.micro_batch_size)
-        metrics.update(rl_update(engine, rows, pad_id=tokenizer.pad_token_id, micro_batch_size=cfg.micro_batch_size,
-                                 epochs=cfg.epochs, clip_low=cfg.clip_low, clip_high=cfg.clip_high, loss=cfg.loss,
-                                 seed=seed))
-        with full_weights(engine) as trained:  # gathers ZeRO-3 partitions; a no-op for stages 0-2
+        checkpoints = layout.train_checkpoints(round_index)
+        metrics.update(rl_update(
+            engine, rows, pad_id=tokenizer.pad_token_id, micro_batch_size=cfg.micro_batch_size, epochs=cfg.epochs,
+            clip_low=cfg.clip_low, clip_high=cfg.clip_high, dual_clip=cfg.dual_clip or None, loss=cfg.loss,
+            aggregation=cfg.aggregation, seed=seed, mini_batch_size=cfg.mini_batch_size or None,
+            token_budget=cfg.token_budget or None, reference=reference, kl_beta=cfg.kl_beta, kl_kind=cfg.kl_kind,
+            entropy_coef=cfg.entropy_coef, on_update=log_update if rank_and_world()[0] == 0 else None,
+            checkpoint_dir=checkpoints, checkpoint_every=cfg.checkpoint_every))
+        with full_weights(engine) as trained:  # gathers ZeRO-3 partitions, merges LoRA adapters
             save_policy(trained, tokenizer, target)
+        shutil.rmtree(checkpoints, ignore_errors=True)
     model, tokenizer = load_policy(target)
     log_metrics(metrics)
     version = register_policy(model, tokenizer, params.pipeline.registered_model,

@@ -1,4 +1,4 @@
-"""Parquet export of the step table: explicit schema, metadata, atomic writes, clear errors."""
+"""Parquet export of the step table: explicit schema, metadata, atomic writes, clear errors, older layouts read."""
 from __future__ import annotations
 
 import json
@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import datapool.parquet as parquet
-from datapool.parquet import STEPS_SCHEMA, StepsFileError, export_steps, read_steps
+from datapool.parquet import ADDED_COLUMNS, STEPS_SCHEMA, STEPS_SCHEMA_VERSION, StepsFileError, export_steps, read_steps
 
 
 def step_row(tid: str = "t0", k: int = 0, *, prompt_ids=(1, 2, 3), response_ids=(4, 5), logprobs=(-0.5, -0.25),
@@ -25,6 +25,7 @@ def step_row(tid: str = "t0", k: int = 0, *, prompt_ids=(1, 2, 3), response_ids=
         "action": "right", "response_text": " right", "reward": reward, "anchor": "(0, 0)", "policy_version": "v1",
         "action_valid": True, "truncated": False, "skill_ids": ["seq-a-b"], "context_manager": "full", "round": 2,
         "env": "frozenlake", "split": "train", "status": "complete", "won": True, "episode_return": 1.0,
+        "tool_calls": 2, "tool_successes": 1, "shaping": -0.25,
     }
 
 
@@ -36,9 +37,11 @@ def test_round_trip_with_schema_and_metadata(tmp_path: Path) -> None:
     path = tmp_path / "round_2.parquet"
     assert export_steps(frame(), path, metadata={"round": 2, "policy_version": "v1"}) == path
     df, metadata = read_steps(path)
-    assert metadata == {"round": 2, "policy_version": "v1", "schema_version": 1, "num_rows": 3}
+    assert metadata == {"round": 2, "policy_version": "v1", "schema_version": 2, "num_rows": 3}
     assert df["prompt_ids"].tolist() == [[1, 2, 3]] * 3 and df["skill_ids"].tolist() == [["seq-a-b"]] * 3
     assert df["logprobs"].tolist() == [[-0.5, -0.25]] * 3
+    assert df["tool_calls"].tolist() == [2] * 3 and df["tool_successes"].tolist() == [1] * 3
+    assert df["shaping"].tolist() == [-0.25] * 3
     assert list(df.columns) == STEPS_SCHEMA.names
 
     schema = pq.read_schema(path)
@@ -120,3 +123,38 @@ def test_any_step_table_round_trips(rows) -> None:
     assert back["prompt_ids"].tolist() == df["prompt_ids"].tolist()
     assert back["logprobs"].tolist() == [[float(np.float32(x)) for x in lp] for lp in df["logprobs"]]
     assert back["reward"].tolist() == df["reward"].tolist()
+
+
+V1_NAMES = [name for name in STEPS_SCHEMA.names if name not in ADDED_COLUMNS]
+
+
+def test_a_version_1_file_reads_with_the_added_columns_filled(tmp_path: Path) -> None:
+    """A file written before tool counts and shaping existed (layout 1, by hand) reads with 0 / 0 / 0.0."""
+    assert STEPS_SCHEMA_VERSION == 2
+    v1_schema = pa.schema([STEPS_SCHEMA.field(name) for name in V1_NAMES])
+    table = pa.Table.from_pandas(frame(2)[V1_NAMES], schema=v1_schema, preserve_index=False)
+    path = tmp_path / "old.parquet"
+    pq.write_table(table.replace_schema_metadata(
+        {b"arlflow": json.dumps({"round": 1, "schema_version": 1, "num_rows": 2}).encode()}), path)
+
+    df, metadata = read_steps(path)
+    assert metadata["schema_version"] == 1
+    assert list(df.columns) == STEPS_SCHEMA.names
+    assert df["tool_calls"].tolist() == [0, 0] and df["tool_successes"].tolist() == [0, 0]
+    assert df["shaping"].tolist() == [0.0, 0.0]
+    assert df["prompt_ids"].tolist() == [[1, 2, 3]] * 2
+    # and it re-exports as layout 2 unchanged
+    export_steps(df, tmp_path / "new.parquet", metadata=metadata)
+    again, meta2 = read_steps(tmp_path / "new.parquet")
+    assert meta2["schema_version"] == 2 and again.equals(df)
+
+
+def test_a_frame_without_the_added_columns_exports_with_defaults(tmp_path: Path) -> None:
+    """A pool frame has no ``shaping`` (and older callers no tool counts): export fills them, the input untouched."""
+    pool_like = frame(2).drop(columns=list(ADDED_COLUMNS))
+    before = pool_like.copy()
+    export_steps(pool_like, tmp_path / "s.parquet", metadata={})
+    pd.testing.assert_frame_equal(pool_like, before)
+    df, _ = read_steps(tmp_path / "s.parquet")
+    assert df["tool_calls"].tolist() == [0, 0] and df["shaping"].tolist() == [0.0, 0.0]
+    assert pq.read_schema(tmp_path / "s.parquet").field("tool_calls").type == pa.int32()

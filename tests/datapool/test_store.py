@@ -1,7 +1,8 @@
-"""DataPool: round trips, idempotency, validation before writing, schema version, SQLite settings."""
+"""DataPool: round trips, idempotency, validation before writing, schema version and migration, SQLite settings."""
 from __future__ import annotations
 
 import math
+import sqlite3
 import tempfile
 import threading
 from pathlib import Path
@@ -12,9 +13,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from sqlalchemy import text
 
+import datapool.store as store
 from datapool.parquet import read_steps
 from datapool.records import StepRecord, TrajectoryRecord
-from datapool.store import SCHEMA_VERSION, DataPool, SchemaVersionError, decode_ids, encode_ids
+from datapool.store import SCHEMA_VERSION, DataPool, SchemaVersionError, decode_ids, encode_ids, encode_logprobs
 
 
 def make_traj(tid: str, group: str = "g0", *, round: int = 1, env: str = "frozenlake", split: str = "train",
@@ -23,7 +25,7 @@ def make_traj(tid: str, group: str = "g0", *, round: int = 1, env: str = "frozen
         StepRecord(trajectory_id=tid, group_id=group, step_index=k, prompt_ids=[1, 2, 3 + k], response_ids=[7, 8],
                    logprobs=[-0.5, -1.25], prompt_text=f"prompt {k}", observation=f"obs {k}", action="right",
                    response_text=" right", reward=0.25 * k, anchor=f"({k}, 0)", policy_version="v1",
-                   skill_ids=["seq-right-down"] if k else [])
+                   skill_ids=["seq-right-down"] if k else [], tool_calls=k, tool_successes=k // 2)
         for k in range(steps)
     ]
     return TrajectoryRecord(trajectory_id=tid, group_id=group, scenario='{"env": "frozenlake", "seed": 3}', env=env,
@@ -56,6 +58,7 @@ def test_round_trip_of_trajectories_and_steps(pool: DataPool) -> None:
     assert first["response_ids"] == [7, 8]
     assert first["logprobs"] == [-0.5, -1.25]  # exact in float32
     assert steps.iloc[3]["skill_ids"] == ["seq-right-down"]
+    assert steps["tool_calls"].tolist() == [0, 1, 0, 1, 2] and steps["tool_successes"].tolist() == [0, 0, 0, 0, 1]
     # joined trajectory columns
     assert {"round", "env", "split", "status", "won", "episode_return", "group_id"} <= set(steps.columns)
     assert set(steps["status"]) == {"complete"}
@@ -101,11 +104,16 @@ def _bad(field_path: str):
         traj.metadata = {"x": object()}
     elif field_path == "round":
         traj.round = -1
+    elif field_path == "step.tool_calls":
+        traj.steps[0].tool_calls = -1
+    elif field_path == "step.tool_successes":
+        traj.steps[1].tool_successes = 2  # the step made 1 call
     return traj
 
 
 @pytest.mark.parametrize("field_path", ["step.logprobs", "status", "step.reward", "step.group_id", "step.step_index",
-                                        "step.prompt_ids", "step.response_ids", "metadata", "round"])
+                                        "step.prompt_ids", "step.response_ids", "metadata", "round",
+                                        "step.tool_calls", "step.tool_successes"])
 def test_invalid_record_names_trajectory_and_field_and_writes_nothing(pool: DataPool, field_path: str) -> None:
     with pytest.raises(ValueError) as err:
         pool.add_trajectories([make_traj("good"), _bad(field_path)])
@@ -164,7 +172,8 @@ def test_export_round_writes_the_round_steps(pool: DataPool, tmp_path: Path) -> 
     df, metadata = read_steps(path)
     assert metadata["round"] == 2 and metadata["policy_versions"] == ["v1"] and metadata["trajectories"] == 1
     expected = pool.steps_frame(round=2)
-    assert list(df.columns) == list(expected.columns)
+    assert list(df.columns) == [*expected.columns, "shaping"]  # the file adds the filters' column, 0.0 here
+    assert df["shaping"].tolist() == [0.0] * 3 and df["tool_calls"].tolist() == expected["tool_calls"].tolist()
     assert df["prompt_ids"].tolist() == expected["prompt_ids"].tolist()
     assert df["logprobs"].tolist() == expected["logprobs"].tolist()
 
@@ -194,7 +203,9 @@ def trajectories(draw) -> list[TrajectoryRecord]:
                 action=draw(st.text(max_size=5)), response_text=draw(st.text(max_size=5)),
                 reward=draw(st.floats(allow_nan=False)), anchor=draw(st.text(max_size=8)), policy_version="v0",
                 action_valid=draw(st.booleans()), truncated=draw(st.booleans()),
-                skill_ids=draw(st.lists(st.text(max_size=6), max_size=2))))
+                skill_ids=draw(st.lists(st.text(max_size=6), max_size=2)), tool_calls=draw(st.integers(0, 4)),
+                tool_successes=0))
+            steps[-1].tool_successes = draw(st.integers(0, steps[-1].tool_calls))
         out.append(TrajectoryRecord(
             trajectory_id=tid, group_id="g", scenario="{}", env="e", split="train", round=draw(st.integers(0, 5)),
             policy_version="v0", status=draw(st.sampled_from(["complete", "truncated", "failed"])),
@@ -217,6 +228,108 @@ def test_store_round_trips_any_valid_records(trajs: list[TrajectoryRecord]) -> N
             assert row.prompt_ids == step.prompt_ids and row.response_ids == step.response_ids
             assert row.logprobs == [float(np.float32(x)) for x in step.logprobs]
             assert row.observation == step.observation and row.skill_ids == step.skill_ids
+            assert (row.tool_calls, row.tool_successes) == (step.tool_calls, step.tool_successes)
             assert row.reward == step.reward or (math.isinf(row.reward) and row.reward == step.reward)
         frame = pool.trajectories_frame()
         assert sorted(frame["trajectory_id"]) == sorted(t.trajectory_id for t in trajs)
+
+
+# The version-1 tables exactly as arlflow created them in SQLite before tool counts existed.
+V1_SCHEMA = """
+CREATE TABLE schema_version (id INTEGER NOT NULL, version INTEGER NOT NULL, PRIMARY KEY (id));
+CREATE TABLE trajectories (
+    trajectory_id TEXT NOT NULL, group_id TEXT NOT NULL, scenario TEXT NOT NULL, env TEXT NOT NULL,
+    split TEXT NOT NULL, round INTEGER NOT NULL, policy_version TEXT NOT NULL, status TEXT NOT NULL,
+    episode_return FLOAT NOT NULL, won BOOLEAN NOT NULL, num_steps INTEGER NOT NULL,
+    response_tokens INTEGER NOT NULL, wall_time_s FLOAT NOT NULL, error TEXT, metadata JSON NOT NULL,
+    PRIMARY KEY (trajectory_id));
+CREATE INDEX ix_trajectories_group_id ON trajectories (group_id);
+CREATE INDEX ix_trajectories_env ON trajectories (env);
+CREATE INDEX ix_trajectories_round ON trajectories (round);
+CREATE TABLE steps (
+    id INTEGER NOT NULL, trajectory_id TEXT NOT NULL, group_id TEXT NOT NULL, step_index INTEGER NOT NULL,
+    prompt_ids BLOB NOT NULL, response_ids BLOB NOT NULL, logprobs BLOB NOT NULL, prompt_text TEXT NOT NULL,
+    observation TEXT NOT NULL, action TEXT NOT NULL, response_text TEXT NOT NULL, reward FLOAT NOT NULL,
+    anchor TEXT NOT NULL, policy_version TEXT NOT NULL, action_valid BOOLEAN NOT NULL, truncated BOOLEAN NOT NULL,
+    skill_ids JSON NOT NULL, context_manager TEXT NOT NULL,
+    PRIMARY KEY (id), CONSTRAINT uq_steps_trajectory_step UNIQUE (trajectory_id, step_index),
+    FOREIGN KEY(trajectory_id) REFERENCES trajectories (trajectory_id));
+INSERT INTO schema_version VALUES (1, 1);
+INSERT INTO trajectories VALUES ('old', 'g0', '{}', 'frozenlake', 'train', 1, 'v0', 'complete', 1.0, 1, 1, 2, 0.5,
+    NULL, '{"seed": 3}');
+"""
+
+
+def test_a_version_1_pool_is_migrated_in_place(tmp_path: Path) -> None:
+    db = tmp_path / "v1.db"
+    with sqlite3.connect(db) as conn:
+        conn.executescript(V1_SCHEMA)
+        conn.execute("INSERT INTO steps (trajectory_id, group_id, step_index, prompt_ids, response_ids, logprobs, "
+                     "prompt_text, observation, action, response_text, reward, anchor, policy_version, action_valid, "
+                     "truncated, skill_ids, context_manager) VALUES ('old', 'g0', 0, ?, ?, ?, 'p', 'o', 'up', ' up', "
+                     "1.0, 'a', 'v0', 1, 0, '[]', 'full')",
+                     (encode_ids([1, 2]), encode_ids([3, 4]), encode_logprobs([-0.5, -0.25])))
+    conn.close()
+
+    assert SCHEMA_VERSION == 2
+    with DataPool(str(db)) as pool:
+        with pool.engine.connect() as conn:
+            assert conn.execute(text("SELECT id, version FROM schema_version")).all() == [(1, 2)]
+        old = pool.steps_frame()
+        assert old["trajectory_id"].tolist() == ["old"] and old["response_ids"].tolist() == [[3, 4]]
+        assert old["tool_calls"].tolist() == [0] and old["tool_successes"].tolist() == [0]
+        assert pool.add_trajectories([make_traj("new", steps=3)]) == 1
+        assert pool.steps_frame()["tool_calls"].tolist() == [0, 1, 2, 0]  # "new" sorts before "old"
+    with DataPool(str(db)) as again:  # opening a migrated pool is a no-op
+        assert again.counts() == {"trajectories": 2, "steps": 4}
+    with sqlite3.connect(db) as conn:
+        columns = {row[1]: row for row in conn.execute("PRAGMA table_info(steps)")}
+    conn.close()
+    assert columns["tool_calls"][2] == "INTEGER" and columns["tool_calls"][4] == "0"  # type, default
+
+
+def test_a_failed_migration_changes_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    db = tmp_path / "v1.db"
+    with sqlite3.connect(db) as conn:
+        conn.executescript(V1_SCHEMA)
+    conn.close()
+
+    def half_then_crash(conn) -> None:
+        conn.execute(text("ALTER TABLE steps ADD COLUMN tool_calls INTEGER NOT NULL DEFAULT 0"))
+        raise RuntimeError("disk full")
+
+    monkeypatch.setitem(store.MIGRATIONS, 1, half_then_crash)
+    with pytest.raises(RuntimeError, match="disk full"):
+        DataPool(str(db))
+    with sqlite3.connect(db) as conn:
+        assert conn.execute("SELECT version FROM schema_version").fetchall() == [(1,)]
+        assert "tool_calls" not in {row[1] for row in conn.execute("PRAGMA table_info(steps)")}
+    conn.close()
+    monkeypatch.undo()
+    with DataPool(str(db)) as pool:  # the real migration still works afterwards
+        assert pool.add_trajectories([make_traj("new")]) == 1
+        assert pool.steps_frame()["tool_calls"].tolist() == [0, 1]
+
+
+def test_two_processes_opening_a_version_1_pool_at_once_migrate_it_once(tmp_path: Path) -> None:
+    db = tmp_path / "v1.db"
+    with sqlite3.connect(db) as conn:
+        conn.executescript(V1_SCHEMA)
+    conn.close()
+    errors: list[BaseException] = []
+
+    def open_pool() -> None:
+        try:
+            DataPool(str(db)).close()
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=open_pool) for _ in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert errors == []
+    with sqlite3.connect(db) as conn:
+        assert conn.execute("SELECT version FROM schema_version").fetchall() == [(2,)]
+    conn.close()

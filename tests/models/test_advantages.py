@@ -1,4 +1,5 @@
-"""Outcome advantages: hand-computed values, loop reference vs vectorized, registry, properties."""
+"""Per-trajectory outcome functions (grpo_scores, dr_grpo_scores, rloo_scores): hand-computed values, loop
+reference vs vectorized, properties; and the Registry class. The batch estimators are in test_step_advantages.py."""
 from __future__ import annotations
 
 import math
@@ -8,8 +9,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from models.advantages import ADVANTAGES, dr_grpo, grpo, rloo
+from models.advantages import ADVANTAGES, dr_grpo_scores, grpo_scores, rloo_scores
 from models.registry import Registry
+
+SCORE_FNS = {"grpo": grpo_scores, "dr_grpo": dr_grpo_scores, "rloo": rloo_scores}
 
 
 def loop_reference(name: str, scores: list[float], groups: list[int]) -> list[float]:
@@ -39,35 +42,38 @@ def test_grpo_hand_computed():
     # group 5 (single): A = s = 2.5; group 9: all equal -> 0
     scores = torch.tensor([1.0, 0.0, 0.0, 1.0, 2.5, 0.3, 0.3, 0.3])
     groups = torch.tensor([0, 0, 0, 0, 5, 9, 9, 9])
-    a = grpo(scores, groups)
+    a = grpo_scores(scores, groups)
     expected = 0.5 / (math.sqrt(1 / 3) + 1e-6)
     torch.testing.assert_close(a, torch.tensor([expected, -expected, -expected, expected, 2.5, 0.0, 0.0, 0.0]))
     assert torch.equal(a[5:], torch.zeros(3))  # exactly zero, although 0.3 * 3 / 3 != 0.3 in floating point
+    # eps is a parameter: [1, 0] mean 0.5, std sqrt(0.5) -> +-0.5 / sqrt(0.5) = +-sqrt(0.5) with eps 0
+    half = math.sqrt(0.5)
+    torch.testing.assert_close(grpo_scores(torch.tensor([1.0, 0.0]), torch.tensor([0, 0]), eps=0.0),
+                               torch.tensor([half, -half]))
 
 
 def test_dr_grpo_and_rloo_hand_computed():
     scores = torch.tensor([3.0, 1.0, 2.0, 4.0, -1.0])
     groups = torch.tensor([1, 1, 1, 2, 3])  # group 1 mean 2; group 2 and 3 singletons
-    torch.testing.assert_close(dr_grpo(scores, groups), torch.tensor([1.0, -1.0, 0.0, 4.0, -1.0]))
+    torch.testing.assert_close(dr_grpo_scores(scores, groups), torch.tensor([1.0, -1.0, 0.0, 4.0, -1.0]))
     # rloo: 3 - mean(1, 2) = 1.5; 1 - mean(3, 2) = -1.5; 2 - mean(3, 1) = 0
-    torch.testing.assert_close(rloo(scores, groups), torch.tensor([1.5, -1.5, 0.0, 4.0, -1.0]))
+    torch.testing.assert_close(rloo_scores(scores, groups), torch.tensor([1.5, -1.5, 0.0, 4.0, -1.0]))
 
 
 def test_unsorted_group_ids_and_dtypes():
     scores = torch.tensor([1, 0, 1, 1], dtype=torch.int64)
     groups = torch.tensor([7, 3, 7, 3])
-    a = rloo(scores, groups)
+    a = rloo_scores(scores, groups)
     assert a.dtype == torch.float32
     torch.testing.assert_close(a, torch.tensor([0.0, -1.0, 0.0, 1.0]))
-    assert grpo(torch.zeros(0), torch.zeros(0, dtype=torch.long)).shape == (0,)
+    assert grpo_scores(torch.zeros(0), torch.zeros(0, dtype=torch.long)).shape == (0,)
     with pytest.raises(ValueError, match="1-D"):
-        grpo(torch.zeros(3), torch.zeros(2, dtype=torch.long))
+        grpo_scores(torch.zeros(3), torch.zeros(2, dtype=torch.long))
 
 
 def test_registry_names_and_errors():
-    assert ADVANTAGES.names() == ["dr_grpo", "grpo", "rloo"]
-    assert ADVANTAGES["grpo"] is grpo
-    with pytest.raises(KeyError, match="dr_grpo, grpo, rloo"):
+    assert {"grpo", "dr_grpo", "rloo"} <= set(ADVANTAGES.names())
+    with pytest.raises(KeyError, match="dr_grpo, gigpo, graphgpo, grpo"):
         ADVANTAGES["gae"]
     registry = Registry("thing")
     registry.register("a")(lambda: 1)
@@ -85,7 +91,7 @@ groups_and_scores = st.lists(
 @given(data=groups_and_scores)
 def test_vectorized_matches_loop(name, data):
     groups, scores = [g for g, _ in data], [s for _, s in data]
-    got = ADVANTAGES[name](torch.tensor(scores, dtype=torch.float64), torch.tensor(groups))
+    got = SCORE_FNS[name](torch.tensor(scores, dtype=torch.float64), torch.tensor(groups))
     expected = torch.tensor(loop_reference(name, scores, groups), dtype=torch.float64)
     torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
 
@@ -96,7 +102,7 @@ def test_vectorized_matches_loop(name, data):
 def test_invariant_to_reward_shift_in_groups_of_two_or_more(name, data, shift):
     groups = torch.tensor([g for g, _ in data])
     scores = torch.tensor([s for _, s in data], dtype=torch.float64)
-    fn = ADVANTAGES[name]
+    fn = SCORE_FNS[name]
     sizes = torch.bincount(groups)[groups]
     shared = sizes > 1  # singletons keep their raw score by definition
     torch.testing.assert_close(fn(scores + shift, groups)[shared], fn(scores, groups)[shared], rtol=1e-5, atol=1e-5)
@@ -106,4 +112,4 @@ def test_invariant_to_reward_shift_in_groups_of_two_or_more(name, data, shift):
 @given(value=st.floats(-1e6, 1e6, allow_nan=False), size=st.integers(2, 16))
 def test_all_equal_group_gives_exactly_zero(name, value, size):
     scores = torch.full((size,), value, dtype=torch.float32)
-    assert torch.equal(ADVANTAGES[name](scores, torch.zeros(size, dtype=torch.long)), torch.zeros(size))
+    assert torch.equal(SCORE_FNS[name](scores, torch.zeros(size, dtype=torch.long)), torch.zeros(size))

@@ -1,19 +1,28 @@
-"""DeepSpeed trainer on CPU: collate alignment, RL and SFT updates on a tiny policy."""
+"""DeepSpeed trainer on CPU: collate alignment, micro-batching, RL and SFT updates, reference policy and LoRA."""
 from __future__ import annotations
 
+import copy
+import json
+import math
 import os
 
 import pytest
 import torch
 
 from models.build import load_policy, save_policy
+from models.losses import AGGREGATIONS
+from models.reference import ReferencePolicy, apply_lora
 from models.trainer import (
+    LrSchedule,
     TrainRow,
+    build_ds_config,
     collate,
     ensure_single_process_env,
     full_weights,
     load_ds_config,
     make_ds_engine,
+    pack_micro_batches,
+    resolve_precision,
     rl_update,
     sft_update,
     token_logprobs,
@@ -35,6 +44,10 @@ def test_collate_aligns_response_mask_with_next_token_logits():
     assert batch["has_old_logprobs"].tolist() == [True, False]
     targets = batch["target_ids"][batch["response_mask"].bool()].tolist()
     assert targets == [7, 8, 9, 3]
+    per_token = collate([TrainRow([5, 6], [7, 8, 9], None, [0.5, -1.0, 2.0])], pad_id=PAD)
+    assert per_token["advantages"].tolist() == [[0, 0.5, -1.0, 2.0, 0]]
+    with pytest.raises(ValueError, match="advantages for 3"):
+        collate([TrainRow([5, 6], [7, 8, 9], None, [0.5, -1.0])], pad_id=PAD)
     with pytest.raises(ValueError, match="empty prompt"):
         collate([TrainRow([], [1], None, 0.0)], pad_id=PAD)
     with pytest.raises(ValueError, match="old log-probs"):
@@ -160,3 +173,170 @@ def test_sft_update_lowers_loss_on_a_fixed_set(policy):
     assert metrics["loss_last"] < metrics["loss_first"]
     assert metrics["loss_last_epoch"] < metrics["loss_first_epoch"]
     assert metrics["tokens_per_s"] > 0
+
+
+# --- micro-batching, objective, schedule, precision -----------------------------------------------------------------
+
+def test_pack_micro_batches_sorts_longest_first_and_respects_rows_and_budget():
+    lengths = [3, 9, 5, 9, 2, 4]
+    assert pack_micro_batches(list(range(6)), lengths, max_rows=2) == [[1, 3], [2, 5], [0, 4]]
+    # budget 12, longest first: 9 | 9 | 5, 4 (2 x 5 = 10; a third row would make 15) | 3, 2 (2 x 3 = 6)
+    assert pack_micro_batches(list(range(6)), lengths, max_rows=8, token_budget=12) == [[1], [3], [2, 5], [0, 4]]
+    assert pack_micro_batches([4, 0, 2], lengths, max_rows=8, token_budget=15) == [[2, 0, 4]]  # 3 x 5 = 15
+    assert pack_micro_batches([1], lengths, max_rows=8, token_budget=4) == [[1]]  # too long for the budget: alone
+
+
+def varied_rows(tokenizer) -> list[TrainRow]:
+    """8 rows of different prompt and response lengths, advantages of both signs, half with rollout log-probs."""
+    rows = []
+    for i in range(8):
+        prompt = tokenizer(f"room {i}. " + "Exits: north, east. " * (i % 3) + "\n> ")["input_ids"]
+        response = tokenizer(["take key 7", "go north", "open the red door now", "look"][i % 4])["input_ids"]
+        logprobs = [-1.5] * len(response) if i % 2 else None
+        rows.append(TrainRow(prompt, response, logprobs, float(i % 3) - 1.0 + 0.25 * i))
+    return rows
+
+
+def sgd_config(tmp_path) -> str:
+    """A config whose optimizer is plain SGD: lr 1 makes the update equal to the gradient (Adam's would hide it)."""
+    path = tmp_path / "sgd.json"
+    path.write_text(json.dumps({**load_ds_config(0), "optimizer": {"type": "SGD", "params": {}}}))
+    return str(path)
+
+
+@pytest.mark.parametrize("aggregation", AGGREGATIONS)
+def test_token_budget_split_gives_the_update_of_one_big_batch(tiny_policy_dir, tmp_path, aggregation):
+    """One optimizer step on 8 rows: as one micro-batch, or packed by a small token budget into several."""
+    model, tokenizer = load_policy(tiny_policy_dir)
+    rows = varied_rows(tokenizer)
+    longest = max(len(r.prompt_ids) + len(r.response_ids) for r in rows)
+    updates, seen = {}, {}
+    for name, budget in (("whole", None), ("split", longest + 3)):
+        policy = copy.deepcopy(model)
+        engine = make_ds_engine(policy, lr=1.0, config_path=sgd_config(tmp_path), grad_clip=0.0, micro_batch_size=8)
+        log = []
+        rl_update(engine, rows, pad_id=PAD, micro_batch_size=8, mini_batch_size=8, token_budget=budget,
+                  aggregation=aggregation, on_update=lambda step, m: log.append(m))
+        updates[name] = [(p - q).detach() for p, q in zip(policy.parameters(), model.parameters())]
+        seen[name] = log[0]
+    assert seen["whole"]["micro_batches"] == 1 and seen["split"]["micro_batches"] >= 4
+    assert max(float(u.abs().max()) for u in updates["whole"]) > 1e-3  # the step did move the weights
+    for whole, split in zip(updates["whole"], updates["split"]):
+        torch.testing.assert_close(split, whole, atol=1e-5, rtol=0)
+    assert seen["split"]["loss"] == pytest.approx(seen["whole"]["loss"], abs=1e-6)
+    assert seen["split"]["grad_norm"] == pytest.approx(seen["whole"]["grad_norm"], rel=1e-5)
+
+
+def test_on_update_reports_every_optimizer_step(policy):
+    model, tokenizer = policy
+    rows = varied_rows(tokenizer)
+    engine = make_ds_engine(model, lr=1e-3, micro_batch_size=2, grad_accum=2)
+    calls = []
+    result = rl_update(engine, rows, pad_id=PAD, micro_batch_size=2, epochs=2, token_budget=40,
+                       on_update=lambda step, m: calls.append((step, m)))
+    assert [step for step, _ in calls] == [1, 2, 3, 4]  # 8 rows / mini-batch of 2 x 2 = 2 steps per epoch
+    for _, m in calls:
+        for key in ("loss", "pg_loss", "clip_fraction", "approx_kl", "entropy", "grad_norm", "lr", "advantage_mean",
+                    "advantage_std", "response_length", "tokens_per_s", "micro_batches"):
+            assert math.isfinite(m[key]), key
+    assert calls[0][1]["approx_kl"] == pytest.approx(0.0, abs=1e-10)  # old log-probs are the current weights'
+    assert result["updates"] == 4.0
+    assert result["loss"] == pytest.approx(sum(m["loss"] for _, m in calls) / 4)
+
+
+def test_lr_schedule_warmup_then_cosine():
+    schedule = LrSchedule("cosine", warmup_steps=2, total_steps=6, min_ratio=0.1)
+    got = [schedule(step) for step in range(8)]
+    cosine = [0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * k / 4)) for k in range(5)]
+    assert got == pytest.approx([0.5, 1.0] + cosine + [0.1])
+    assert [LrSchedule("constant", warmup_steps=4)(s) for s in range(6)] == [0.25, 0.5, 0.75, 1.0, 1.0, 1.0]
+    with pytest.raises(ValueError, match="total_steps"):
+        LrSchedule("cosine", warmup_steps=3)
+
+
+def test_engine_steps_the_lr_schedule(policy):
+    model, tokenizer = policy
+    engine = make_ds_engine(model, lr=1e-2, micro_batch_size=2, lr_schedule="cosine", warmup_steps=2, total_steps=4)
+    lrs = []
+    rl_update(engine, varied_rows(tokenizer), pad_id=PAD, micro_batch_size=2,
+              on_update=lambda step, metrics: lrs.append(metrics["lr"]))
+    assert lrs == pytest.approx([5e-3, 1e-2, 1e-2, 5e-3], abs=1e-12)  # the lr each update used
+    assert engine.lr_scheduler.state_dict()["last_epoch"] == 4
+
+
+def test_precision_is_fp32_on_cpu_and_bf16_on_gpu(monkeypatch):
+    assert resolve_precision("auto") == "fp32"
+    assert not build_ds_config(0)["bf16"]["enabled"]
+    with pytest.raises(ValueError, match="needs a GPU"):
+        resolve_precision("bf16")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert build_ds_config(2, precision="auto")["bf16"]["enabled"]
+    assert not build_ds_config(2, precision="fp32")["bf16"]["enabled"]
+
+
+def test_rl_update_rejects_bad_arguments(policy):
+    model, tokenizer = policy
+    engine = make_ds_engine(model, lr=1e-3, micro_batch_size=2)
+    rows = varied_rows(tokenizer)
+    with pytest.raises(ValueError, match="reference"):
+        rl_update(engine, rows, pad_id=PAD, micro_batch_size=2, kl_beta=0.01)
+    with pytest.raises(ValueError, match="aggregation"):
+        rl_update(engine, rows, pad_id=PAD, micro_batch_size=2, aggregation="mean")
+    with pytest.raises(ValueError, match="token_budget"):
+        rl_update(engine, rows, pad_id=PAD, micro_batch_size=2, token_budget=0)
+
+
+# --- reference policy and LoRA --------------------------------------------------------------------------------------
+
+def test_reference_is_the_frozen_start_policy_and_kl_grows_from_zero(policy):
+    model, tokenizer = policy
+    rows = varied_rows(tokenizer)
+    batch = collate(rows, PAD)
+    with torch.no_grad():
+        start = token_logprobs(model, batch)                                 # [B, L]
+    reference = ReferencePolicy(model)
+    assert not any(p.requires_grad for p in reference.model.parameters())
+    engine = make_ds_engine(model, lr=3e-3, micro_batch_size=4)
+    log = []
+    rl_update(engine, rows, pad_id=PAD, micro_batch_size=4, epochs=3, reference=reference, kl_beta=0.1,
+              on_update=lambda s, m: log.append(m))
+    assert log[0]["kl_loss"] == pytest.approx(0.0, abs=1e-9)  # policy == reference before the first step
+    assert log[-1]["kl_loss"] > 1e-6
+    mask = batch["response_mask"].bool()
+    torch.testing.assert_close(reference.ref_logprobs(batch)[mask], start[mask], atol=1e-6, rtol=0)
+    with torch.no_grad():
+        assert not torch.allclose(token_logprobs(model, batch)[mask], start[mask], atol=1e-4)
+
+
+def test_lora_trains_adapters_only_and_saves_a_plain_merged_model(policy, tmp_path):
+    model, tokenizer = policy
+    base_before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    rows = varied_rows(tokenizer)
+    batch = collate(rows, PAD)
+    with torch.no_grad():
+        start = token_logprobs(model, batch)                                 # [B, L]
+    lora = apply_lora(model, r=4, alpha=8)
+    reference = ReferencePolicy(lora)
+    assert reference.shares_policy
+    engine = make_ds_engine(lora, lr=1e-2, micro_batch_size=4)
+    rl_update(engine, rows, pad_id=PAD, micro_batch_size=4, epochs=2, reference=reference, kl_beta=0.01)
+    named = dict(lora.named_parameters())
+    changed = {n for n, p in named.items() if "lora_" in n and not torch.equal(p, torch.zeros_like(p))
+               and "lora_B" in n}
+    assert changed, "the LoRA B matrices should have moved away from zero"
+    base_after = {n.removeprefix("base_model.model.").replace(".base_layer", ""): p
+                  for n, p in named.items() if "lora_" not in n}
+    assert base_after.keys() == base_before.keys()
+    for name, before in base_before.items():  # every base weight is untouched
+        assert torch.equal(base_after[name], before), name
+    with torch.no_grad():
+        trained = token_logprobs(engine, batch)
+        torch.testing.assert_close(reference.ref_logprobs(batch), start, atol=0, rtol=0)  # adapters switched off
+    with full_weights(engine) as merged:
+        assert not any("lora" in n for n, _ in merged.named_parameters())
+        save_policy(merged, tokenizer, tmp_path / "merged")
+    reloaded, _ = load_policy(tmp_path / "merged")
+    mask = batch["response_mask"].bool()
+    with torch.no_grad():
+        torch.testing.assert_close(token_logprobs(reloaded, batch)[mask], trained[mask], atol=1e-5, rtol=0)
+    assert any("lora_" in n for n, _ in engine.module.named_parameters())  # the engine still trains adapters
