@@ -44,6 +44,17 @@ def check_stage(stage: str, round_index: int | None, params: Params) -> None:
         raise ValueError(f"stage {stage!r} takes no --round")
 
 
+def run_stage_functions(params: Params, layout: Layout, *, include: tuple[str, ...] = ("bootstrap", "warmstart",
+                        "rollout", "validate", "train"), start_round: int = 1) -> None:
+    """The stage functions in pipeline order without Prefect or MLflow (tests and benchmarks); `include` picks
+    stages, `start_round` skips earlier rounds' stages."""
+    for stage, round_index in stage_sequence(params.pipeline.rounds):
+        if stage not in include or (round_index is not None and round_index < start_round):
+            continue
+        function = STAGE_FUNCTIONS[stage]
+        function(params, layout) if round_index is None else function(params, layout, round_index)
+
+
 def execute_stage(stage: str, round_index: int | None, params: Params, layout: Layout) -> dict[str, Any]:
     """Run one stage function inside its MLflow stage run: the one code path of every stage."""
     check_stage(stage, round_index, params)

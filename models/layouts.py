@@ -18,7 +18,18 @@ from typing import Callable, NamedTuple, Protocol, Sequence
 import torch
 from torch import Tensor
 
-from datapool.records import StepRecord
+
+
+class StepRecord(Protocol):
+    """What the layouts read of a step (datapool.records.StepRecord is one; models/ does not import datapool)."""
+
+    trajectory_id: str
+    group_id: str
+    step_index: int
+    prompt_ids: list[int]
+    response_ids: list[int]
+    logprobs: list[float]
+    observation: str
 
 OBSERVATION_FIELD = "{observation}"
 TURN_TEMPLATE = "\nState:\n{observation}\nAction:"

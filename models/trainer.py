@@ -19,6 +19,7 @@ import contextlib
 import copy
 import functools
 import hashlib
+import inspect
 import json
 import math
 import os
@@ -35,8 +36,10 @@ import torch.distributed as dist
 from torch import Tensor
 from tqdm.auto import tqdm
 
+from models.aux_losses import AUX_LOSSES, AuxConfig, AuxInputs
 from models.checkpoint import load_checkpoint, rank_and_world, save_checkpoint
-from models.losses import AGGREGATIONS, LOSSES, entropy_from_logits, masked_token_mean, policy_objective, sft_loss
+from models.layouts import RowSpec, collate_rows
+from models.losses import AGGREGATIONS, LOSSES, aggregate, masked_token_mean, policy_objective, sft_loss
 
 DEEPSPEED_CONFIG_DIR = Path(__file__).resolve().parents[1] / "infra" / "deepspeed"
 PRECISIONS = ("auto", "fp32", "bf16")
@@ -381,27 +384,122 @@ def _train_mini_batch(
 
 # --- RL update ----------------------------------------------------------------------------------------------------
 
-def _micro_objective(engine, part: dict[str, Tensor], objective: dict[str, Any]) -> tuple[Tensor, dict[str, float]]:
+LOGIT_FREE_AUX = ("seal",)  # aux losses that read hidden states only, never logits
+SCALED_LOGIT_CONFIG_KEYS = ("final_logit_softcapping", "logit_scale", "logits_scaling")  # head output post-processed
+
+
+def _splits_lm_head(module: torch.nn.Module) -> bool:
+    """Whether the policy's forward accepts `logits_to_keep` and its logits are exactly lm_head(last hidden state).
+
+    Then the trainer runs the forward with no logits at all and applies the head to the positions it needs only.
+    Models that post-process the head's output (soft-capping, scaling) keep the full forward.
+    """
+    base = module.get_base_model() if hasattr(module, "get_base_model") else module   # peft wraps the HF model
+    config = getattr(base, "config", None)
+    if config is None or any(getattr(config, key, None) for key in SCALED_LOGIT_CONFIG_KEYS):
+        return False
+    return (base.get_output_embeddings() is not None
+            and "logits_to_keep" in inspect.signature(base.forward).parameters)
+
+
+def _logits_at(engine, part: dict[str, Tensor], positions: Tensor, *, want_hidden: bool
+               ) -> tuple[Tensor, Tensor | None]:
+    """float32 logits [N, V] at the N positions where `positions` [b, l] is true (row-major order), and the last
+    hidden states [b, l, H] when `want_hidden`.
+
+    The forward goes through the engine (DeepSpeed registers its backward prologue on the outputs, and applies
+    autocast and ZeRO-3 gathers there) with `logits_to_keep` empty, so the model computes no logits; the LM head
+    (`get_output_embeddings()`, the same module, so ZeRO-3 hooks and LoRA adapters apply) then runs on the gathered
+    hidden states only. Equal to indexing the full [b, l, V] logits.
+    """
+    device = engine.device
+    inputs = dict(input_ids=part["input_ids"].to(device), attention_mask=part["attention_mask"].to(device))
+    where = positions.to(device).bool()                                     # [b, l]
+    if not _splits_lm_head(engine.module):
+        outputs = engine(**inputs, output_hidden_states=want_hidden)
+        return outputs.logits.float()[where], outputs.hidden_states[-1] if want_hidden else None
+    no_logits = torch.empty(0, dtype=torch.long, device=device)
+    outputs = engine(**inputs, output_hidden_states=True, logits_to_keep=no_logits)
+    hidden = outputs.hidden_states[-1]                                      # [b, l, H] after the final norm
+    logits = engine.module.get_output_embeddings()(hidden[where]).float()   # [N, V]
+    return logits, hidden if want_hidden else None
+
+
+def _scatter_positions(values: Tensor, positions: Tensor) -> Tensor:
+    """[b, l] (or [b, l, V]) tensor holding `values` [N] ([N, V]) at the true positions of `positions`, 0 elsewhere."""
+    where = positions.to(values.device).bool()                              # [b, l]
+    out = values.new_zeros(*where.shape, *values.shape[1:])                 # [b, l(, V)]
+    return out.masked_scatter(where.view(*where.shape, *([1] * (values.dim() - 1))), values)
+
+
+def _entropy_at(logits: Tensor, mask: Tensor, aggregation: str) -> Tensor:
+    """`losses.entropy_from_logits` for logits [N, V] already picked at the N true positions of mask [b, l]."""
+    logp = torch.log_softmax(logits.float(), dim=-1)                        # [N, V]
+    probs = logp.exp()                                                      # [N, V]
+    safe_logp = torch.where(probs > 0, logp, torch.zeros_like(logp))        # [N, V] 0 * log 0 = 0
+    token_entropy = -(probs * safe_logp).sum(dim=-1)                        # [N]
+    return aggregate(_scatter_positions(token_entropy, mask), mask.to(logits.device).bool(), aggregation)
+
+
+def _micro_objective(engine, part: dict[str, Tensor], objective: dict[str, Any], aux: tuple[str, ...] = (),
+                     aux_config: AuxConfig | None = None, *, on_policy: bool = False
+                     ) -> tuple[Tensor, dict[str, float]]:
     """The one place where the RL objective of a micro-batch is computed: `losses.policy_objective` (policy loss
-    + kl_beta * KL to the reference - entropy_coef * entropy), aggregated over the micro-batch."""
-    logits = _next_token_logits(engine, part)                               # [b, l, V]
-    logp = _gather_logprobs(logits, part["target_ids"])                     # [b, l]
+    + kl_beta * KL to the reference - entropy_coef * entropy), aggregated over the micro-batch, plus the weighted
+    auxiliary losses (`aux_losses.AUX_LOSSES`, e.g. echo on observation tokens) from the same forward pass.
+
+    Logits are computed at response positions only (plus observation positions for aux losses that read logits).
+    on_policy: the weights have not moved since the rollout rows were scored, so this forward's own log-probs
+    (detached) are the old log-probs (ratio exactly 1); part["old_logprobs"] then holds the rollout log-probs, and
+    the metrics carry `_gap_sum` / `_gap_count` / `_gap_max` of |logp - rollout| for `logp_mismatch_*`.
+    """
     mask = part["response_mask"]                                            # [b, l]
+    logit_aux = [name for name in aux if name not in LOGIT_FREE_AUX]
+    positions = mask.bool()                                                 # [b, l]
+    if logit_aux:
+        positions = positions | (part["observation_mask"].bool() & part["attention_mask"].bool())
+    logits, hidden = _logits_at(engine, part, positions, want_hidden="seal" in aux)  # [N, V], [b, l, H]
+    picked_targets = part["target_ids"].to(logits.device)[positions.to(logits.device)]  # [N]
+    token_logp = logits.gather(-1, picked_targets[:, None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)  # [N]
+    logp = _scatter_positions(token_logp, positions)                        # [b, l]
+    response_logits = logits[mask.bool()[positions]]                        # [R, V]
     if objective["entropy_coef"]:
-        entropy = entropy_from_logits(logits, mask, objective["aggregation"])
+        entropy = _entropy_at(response_logits, mask, objective["aggregation"])
     else:
         with torch.no_grad():
-            entropy = entropy_from_logits(logits.detach(), mask, objective["aggregation"])
-    return policy_objective(logp, part["old_logprobs"], part["advantages"], mask,
-                            ref_logp=part.get("ref_logprobs"), entropy=entropy, **objective)
+            entropy = _entropy_at(response_logits.detach(), mask, objective["aggregation"])
+    old_logp = logp.detach() if on_policy else part["old_logprobs"]         # [b, l]
+    total, metrics = policy_objective(logp, old_logp, part["advantages"], mask,
+                                      ref_logp=part.get("ref_logprobs"), entropy=entropy, **objective)
+    if on_policy:
+        with torch.no_grad():
+            carried = mask.bool() & part["has_old_logprobs"].to(mask.device)[:, None]  # [b, l]
+            gap = torch.where(carried, (logp.detach() - part["old_logprobs"]).abs(), torch.zeros_like(logp))
+            metrics.update(_gap_sum=float(gap.double().sum()), _gap_count=float(carried.sum()),
+                           _gap_max=float(gap.max()) if gap.numel() else 0.0)
+    if aux:
+        full_logits = _scatter_positions(logits, positions) if logit_aux else None  # [b, l, V], 0 where unused
+        inputs = AuxInputs(logits=full_logits, target_ids=part["target_ids"], observation_mask=part["observation_mask"],
+                           hidden=hidden, attention_mask=part["attention_mask"], success=part["success"],
+                           group_index=part["group_index"])
+        for name in aux:
+            term, aux_metrics = AUX_LOSSES[name](inputs, aux_config or AuxConfig())
+            total = total + term
+            metrics.update(aux_metrics)
+        metrics["loss"] = float(total.detach())
+    return total, metrics
 
 
 def _score_rows(engine, batch: dict[str, Tensor], lengths: list[int], reference: ReferenceScorer | None, *,
-                max_rows: int, token_budget: int | None) -> tuple[Tensor, Tensor | None]:
-    """[B, L] log-probs of every row under the current weights (the PPO "old" policy) and under `reference`.
+                max_rows: int, token_budget: int | None, score_policy: bool = True
+                ) -> tuple[Tensor | None, Tensor | None]:
+    """[B, L] log-probs of every row under the current weights (the PPO "old" policy; None unless score_policy)
+    and under `reference` (None without one).
 
     Each rank scores its shard in eval mode; the shards are summed across ranks, so every rank holds all rows.
     """
+    if not score_policy and reference is None:
+        return None, None
     old = torch.zeros_like(batch["old_logprobs"])                           # [B, L]
     ref = torch.zeros_like(old) if reference is not None else None         # [B, L]
     engine.module.eval()
@@ -410,14 +508,15 @@ def _score_rows(engine, batch: dict[str, Tensor], lengths: list[int], reference:
                                                token_budget=token_budget):
             part = _select(batch, index, engine.device)
             width = part["input_ids"].shape[1]
-            scored = token_logprobs(engine, part).cpu()                    # [b, l]
+            scored = token_logprobs(engine, part).cpu() if score_policy else None  # [b, l]
             scored_ref = reference.ref_logprobs(part).cpu() if reference is not None else None
             if real:
-                old[index, :width] = scored
+                if scored is not None:
+                    old[index, :width] = scored
                 if ref is not None:
                     ref[index, :width] = scored_ref
     engine.module.train()
-    old = _all_reduce_sum(old, engine.device)
+    old = _all_reduce_sum(old, engine.device) if score_policy else None
     return old, _all_reduce_sum(ref, engine.device) if ref is not None else None
 
 
@@ -443,13 +542,19 @@ def _fingerprint(batch: dict[str, Tensor], settings: dict[str, Any]) -> str:
     return digest.hexdigest()
 
 
-def _fresh_state(engine, batch, lengths, rows, reference, *, fingerprint, epochs, seed, max_rows, token_budget):
-    """Trainer state at the start of an rl_update call: scored rows, every epoch's shuffled order, position 0."""
-    old, ref = _score_rows(engine, batch, lengths, reference, max_rows=max_rows, token_budget=token_budget)
+def _fresh_state(engine, batch, lengths, rows, reference, *, fingerprint, epochs, seed, max_rows, token_budget,
+                 on_policy: bool = False):
+    """Trainer state at the start of an rl_update call: scored rows, every epoch's shuffled order, position 0.
+
+    on_policy: the old log-probs come from the training forward (`_micro_objective`), so only the reference is
+    scored here; old_logprobs is None and the mismatch is filled in after the update (`_on_policy_mismatch`).
+    """
+    old, ref = _score_rows(engine, batch, lengths, reference, max_rows=max_rows, token_budget=token_budget,
+                           score_policy=not on_policy)
     mask = batch["response_mask"]                                           # [B, L]
     carried = mask * batch["has_old_logprobs"][:, None]                     # [B, L]
     mismatch = {}
-    if carried.sum() > 0:
+    if old is not None and carried.sum() > 0:
         gap = (old - batch["old_logprobs"]).abs()                           # [B, L]
         mismatch["logp_mismatch_mean"] = float(masked_token_mean(gap, carried))
         mismatch["logp_mismatch_max"] = float(torch.where(carried.bool(), gap, torch.zeros_like(gap)).max())
@@ -459,10 +564,10 @@ def _fresh_state(engine, batch, lengths, rows, reference, *, fingerprint, epochs
         order = list(range(len(rows)))
         rng.shuffle(order)
         orders.append(order)
-    zero = torch.zeros_like(old)
+    zero = torch.zeros_like(mask)
     return {
         "fingerprint": fingerprint, "orders": orders, "mismatch": mismatch,
-        "old_logprobs": torch.where(mask.bool(), old, zero),
+        "old_logprobs": torch.where(mask.bool(), old, zero) if old is not None else None,
         "ref_logprobs": torch.where(mask.bool(), ref, zero) if ref is not None else None,
         "updates_done": 0, "epoch": 0, "mini_batch": 0,  # data position: next epoch / mini-batch to train
         "micro_batches_done": 0,                           # this rank's forward/backward passes so far
@@ -479,6 +584,7 @@ def _mini_batch_parts(engine, batch, mini: list[int], lengths: list[int], *, agg
     micro, shares = [], []
     for index, real in _rank_micro_batches(mini, lengths, max_rows=max_rows, token_budget=token_budget):
         part = _select(batch, index, engine.device)
+        part["has_old_logprobs"] = part["has_old_logprobs"] & real          # fillers never count in the mismatch
         weight = _loss_weight(part, units, aggregation, norm_width) if real else 0.0
         micro.append((part, weight))
         token_share = float(part["response_mask"].sum()) / max(mini_tokens, 1.0) if real else 0.0
@@ -534,6 +640,8 @@ def rl_update(
     on_update: Callable[[int, dict[str, float]], None] | None = None,
     checkpoint_dir: str | Path | None = None,
     checkpoint_every: int = 50,
+    aux: tuple[str, ...] | list[str] = (),
+    aux_config: AuxConfig | None = None,
 ) -> dict[str, float]:
     """Policy-gradient update on `rows` with `losses.policy_objective`; returns metrics averaged over updates.
 
@@ -543,7 +651,9 @@ def rl_update(
         depend on how rows are cut into micro-batches or ranks.
     micro_batch_size / token_budget: at most this many rows / padded tokens (rows x longest) per forward pass.
     Old log-probs are recomputed under the current weights first (so ratio = 1 on the first step); when rows carry
-    rollout log-probs, |recomputed - rollout| is reported as logp_mismatch_mean/max (engine/trainer drift).
+    rollout log-probs, |recomputed - rollout| is reported as logp_mismatch_mean/max (engine/trainer drift). With one
+    epoch of one mini-batch, no row is trained after an earlier update, so the recompute is skipped: the training
+    forward's detached log-probs are the old ones (ratio exactly 1) and the mismatch is measured on them.
     reference (e.g. `models.reference.ReferencePolicy`): scored once at the start; needed when kl_beta > 0, and
     with kl_beta 0 the KL is only logged (kl_loss).
     on_update(step, metrics): called on every rank after every optimizer step (step = engine.global_steps) with that
@@ -565,30 +675,40 @@ def rl_update(
         raise ValueError(f"kl_beta is {kl_beta} but no reference was given: pass reference=ReferencePolicy(model) "
                          f"(models.reference; build it before make_ds_engine) or set kl_beta to 0")
     started = time.perf_counter()
-    batch = collate(rows, pad_id)
+    aux = tuple(aux)
+    for name in aux:
+        AUX_LOSSES[name]  # unknown names fail here, listing the valid ones
+    concatenated = isinstance(rows[0], RowSpec)
+    if aux and not concatenated:
+        raise ValueError(f"aux losses {list(aux)} read observation tokens: pass RowSpec rows from "
+                         "models.layouts.concatenated (train.layout: concatenated)")
+    batch = collate_rows(rows, pad_id) if concatenated else collate(rows, pad_id)
     lengths = batch["attention_mask"].sum(dim=1).tolist()
     mini_size = mini_batch_size or engine.train_batch_size()
     objective = dict(loss=loss, clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip, aggregation=aggregation,
                      kl_beta=kl_beta, kl_kind=kl_kind, entropy_coef=entropy_coef)
     settings = dict(objective, pad_id=pad_id, micro_batch_size=micro_batch_size, mini_batch_size=mini_size,
                     token_budget=token_budget, epochs=epochs, seed=seed, world=rank_and_world()[1],
-                    reference=reference is not None, engine=_engine_settings(engine))
+                    reference=reference is not None, engine=_engine_settings(engine), aux=list(aux),
+                    aux_config=str(aux_config))
     fingerprint = _fingerprint(batch, settings)
 
     state = load_checkpoint(engine, checkpoint_dir, fingerprint=fingerprint) if checkpoint_dir is not None else None
     if state is not None and state["finished"]:
         return state["result"]
+    per_epoch = math.ceil(len(rows) / mini_size)
+    on_policy = _reuses_training_logprobs(epochs, per_epoch)
     if state is None:
         state = _fresh_state(engine, batch, lengths, rows, reference, fingerprint=fingerprint, epochs=epochs,
-                             seed=seed, max_rows=micro_batch_size, token_budget=token_budget)
-    batch["old_logprobs"] = state["old_logprobs"]
+                             seed=seed, max_rows=micro_batch_size, token_budget=token_budget, on_policy=on_policy)
+    if state["old_logprobs"] is not None:
+        batch["old_logprobs"] = state["old_logprobs"]                       # else: rollout log-probs, for the gap
     if state["ref_logprobs"] is not None:
         batch["ref_logprobs"] = state["ref_logprobs"]
 
     engine.module.train()
     advantages = _row_advantages(rows)
     norm_width = batch["input_ids"].shape[1]
-    per_epoch = math.ceil(len(rows) / mini_size)
     total_updates = epochs * per_epoch
     tokens_this_call = 0
     for update in range(state["updates_done"], total_updates):
@@ -598,7 +718,11 @@ def rl_update(
         micro, shares = _mini_batch_parts(engine, batch, mini, lengths, aggregation=aggregation,
                                           max_rows=micro_batch_size, token_budget=token_budget, norm_width=norm_width)
         lr = float(engine.get_lr()[0])
-        grad_norm, micro_metrics = _train_mini_batch(engine, micro, lambda p: _micro_objective(engine, p, objective))
+        grad_norm, micro_metrics = _train_mini_batch(
+            engine, micro, lambda p: _micro_objective(engine, p, objective, aux, aux_config, on_policy=on_policy))
+        gaps = [{k: m.pop(k) for k in ("_gap_sum", "_gap_count", "_gap_max") if k in m} for m in micro_metrics]
+        if on_policy:
+            state["mismatch"] = _on_policy_mismatch(gaps, engine.device)
         metrics = _update_metrics(engine, mini, batch, micro_metrics, shares, advantages, lengths, lr,
                                   time.perf_counter() - step_started)
         metrics["grad_norm"] = grad_norm
@@ -615,6 +739,27 @@ def rl_update(
         if checkpoint_dir is not None and (finished or (update + 1) % checkpoint_every == 0):
             save_checkpoint(engine, checkpoint_dir, update + 1, state)
     return state["result"]
+
+
+def _reuses_training_logprobs(epochs: int, mini_batches_per_epoch: int) -> bool:
+    """Whether every row is trained in exactly one optimizer step with no earlier update (one epoch, one
+    mini-batch): then the old policy is the training forward's own, and no scoring pass is needed."""
+    return epochs == 1 and mini_batches_per_epoch == 1
+
+
+def _on_policy_mismatch(gaps: list[dict[str, float]], device: torch.device) -> dict[str, float]:
+    """logp_mismatch_mean/max over all ranks from the micro-batches' |training logp - rollout logp| sums, counts
+    and maxima (see `_micro_objective`); empty when no row carried rollout log-probs."""
+    local = torch.tensor([sum(g["_gap_sum"] for g in gaps), sum(g["_gap_count"] for g in gaps)],
+                         dtype=torch.float64)                               # [2]
+    total, count = _all_reduce_sum(local, device).tolist()
+    top = torch.tensor([max((g["_gap_max"] for g in gaps), default=0.0)], dtype=torch.float64)  # [1]
+    if rank_and_world()[1] > 1:
+        top = top.to(device)
+        dist.all_reduce(top, op=dist.ReduceOp.MAX)
+    if count == 0:
+        return {}
+    return {"logp_mismatch_mean": total / count, "logp_mismatch_max": float(top.cpu())}
 
 
 def _row_advantages(rows: list[TrainRow]) -> list[float]:

@@ -10,8 +10,9 @@ import torch
 from datapool.filters import FILTERS, FilterConfig, apply_filters
 from datapool.parquet import read_steps
 from models.advantages import ADVANTAGES, AdvantageConfig, StepBatch
-from models.aux_losses import AUX_LOSSES
+from models.aux_losses import AUX_LOSSES, AuxConfig
 from models.build import load_policy, save_policy
+from models.layouts import concatenated
 from models.checkpoint import rank_and_world
 from models.losses import LOSSES
 from models.reference import ReferencePolicy, apply_lora
@@ -53,15 +54,22 @@ def step_batch(frame: pd.DataFrame) -> StepBatch:
     )
 
 
-def training_rows(frame: pd.DataFrame, cfg: TrainConfig) -> tuple[list[TrainRow], dict[str, float]]:
-    """Step rows with per-token advantages from the configured estimator."""
+def training_rows(frame: pd.DataFrame, cfg: TrainConfig, tokenizer) -> tuple[list, dict[str, float]]:
+    """Rows with advantages from the configured estimator (always computed per step, so step-level credit works in
+    both layouts): step rows carry per-token advantages; concatenated rows (one per trajectory, token ids exactly as
+    sampled) carry one advantage per turn."""
     result = ADVANTAGES[cfg.advantage](step_batch(frame), AdvantageConfig(gamma=cfg.gamma, omega=cfg.omega,
                                                                           anchor_mode=cfg.anchor_mode))
+    if cfg.layout == "step_rows":
+        rows = [TrainRow(list(r.prompt_ids), list(r.response_ids), list(r.logprobs),
+                         result.token_advantages[i, :len(r.response_ids)].tolist())
+                for i, r in enumerate(frame.itertuples(index=False))]
+        return rows, result.metrics
+    frame = frame.assign(_advantage=result.row_advantages.tolist())
     rows = []
-    for i, record in enumerate(frame.itertuples(index=False)):
-        length = len(record.response_ids)
-        rows.append(TrainRow(list(record.prompt_ids), list(record.response_ids), list(record.logprobs),
-                             result.token_advantages[i, :length].tolist()))
+    for _, steps in frame.sort_values(["trajectory_id", "step_index"]).groupby("trajectory_id", sort=False):
+        spec = concatenated(list(steps.itertuples(index=False)), tokenizer)
+        rows.append(spec._replace(step_advantages=tuple(steps["_advantage"]), success=bool(steps["won"].iloc[0])))
     return rows, result.metrics
 
 
@@ -87,7 +95,7 @@ def run(params: Params, layout: Layout, round_index: int) -> dict[str, Any]:
         metrics["skipped_no_signal"] = 1
         save_policy(model, tokenizer, target)
     else:
-        rows, advantage_metrics = training_rows(frame, cfg)
+        rows, advantage_metrics = training_rows(frame, cfg, tokenizer)
         metrics.update(advantage_metrics)
         reference = ReferencePolicy(model) if cfg.kl_beta > 0 and cfg.lora_r == 0 else None
         if cfg.lora_r > 0:
@@ -101,7 +109,8 @@ def run(params: Params, layout: Layout, round_index: int) -> dict[str, Any]:
             aggregation=cfg.aggregation, seed=seed, mini_batch_size=cfg.mini_batch_size or None,
             token_budget=cfg.token_budget or None, reference=reference, kl_beta=cfg.kl_beta, kl_kind=cfg.kl_kind,
             entropy_coef=cfg.entropy_coef, on_update=log_update if rank_and_world()[0] == 0 else None,
-            checkpoint_dir=checkpoints, checkpoint_every=cfg.checkpoint_every))
+            checkpoint_dir=checkpoints, checkpoint_every=cfg.checkpoint_every, aux=cfg.aux,
+            aux_config=AuxConfig(echo_weight=cfg.echo_weight, seal_weight=cfg.seal_weight)))
         with full_weights(engine) as trained:  # gathers ZeRO-3 partitions, merges LoRA adapters
             save_policy(trained, tokenizer, target)
         shutil.rmtree(checkpoints, ignore_errors=True)

@@ -9,7 +9,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PURE_PACKAGES = ("envs", "models")
-FORBIDDEN = {"prefect", "mlflow", "dvc", "great_expectations", "flows", "tasks"}
+FORBIDDEN = {"prefect", "mlflow", "dvc", "great_expectations", "flows", "tasks", "agents", "skills", "datapool"}
 
 
 def imported_top_level_modules(source: str) -> set[str]:

@@ -10,7 +10,9 @@ import pytest
 import torch
 
 from models.build import load_policy, save_policy
-from models.losses import AGGREGATIONS
+from models import trainer
+from models.layouts import RowSpec, collate_rows
+from models.losses import AGGREGATIONS, entropy_from_logits
 from models.reference import ReferencePolicy, apply_lora
 from models.trainer import (
     LrSchedule,
@@ -340,3 +342,94 @@ def test_lora_trains_adapters_only_and_saves_a_plain_merged_model(policy, tmp_pa
     with torch.no_grad():
         torch.testing.assert_close(token_logprobs(reloaded, batch)[mask], trained[mask], atol=1e-5, rtol=0)
     assert any("lora_" in n for n, _ in engine.module.named_parameters())  # the engine still trains adapters
+
+
+def spec_rows() -> list[RowSpec]:
+    """Concatenated-layout rows (prompt, response, observation, response) of two groups, ragged, for the aux losses."""
+    rows = []
+    for i in range(4):
+        prompt, first, obs, second = [5 + i, 6, 7], [20 + i, 21], [40, 41 + i, 42][: 2 + i % 2], [30, 31 + i]
+        ids = prompt + first + obs + second
+        response = [0] * 3 + [1] * 2 + [0] * len(obs) + [1] * 2
+        rows.append(RowSpec(
+            input_ids=ids, response_mask=response, observation_mask=[0] * 5 + [1] * len(obs) + [0] * 2,
+            old_logprobs=[-1.5 * r for r in response], turn_index=[0 if r else -1 for r in response],
+            trajectory_id=f"t{i}", group_id=f"g{i // 2}", step_indices=(0, 1), advantage=(-1.0) ** i,
+            success=i % 2 == 0,
+        ))
+    return rows
+
+
+class ModuleAsEngine:
+    """The part of a DeepSpeed engine that `_micro_objective` calls: forward, `module` and `device`."""
+
+    def __init__(self, module: torch.nn.Module):
+        self.module, self.device = module, torch.device("cpu")
+
+    def __call__(self, **inputs):
+        return self.module(**inputs)
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_lm_head_on_needed_positions_matches_the_full_forward(policy, monkeypatch, lora):
+    """The head applied to response + observation positions only gives the loss, metrics and gradients of the full
+    [B, L, V] logits (the pre-change computation, forced by reporting the head as not splittable)."""
+    model, _ = policy
+    engine = ModuleAsEngine(apply_lora(model) if lora else model)  # autograd.grad, not engine.backward, below
+    part = collate_rows(spec_rows(), PAD)
+    part["ref_logprobs"] = part["old_logprobs"] - 0.1
+    objective = dict(loss="ppo_clip", clip_low=0.2, clip_high=0.2, dual_clip=None, aggregation="seq-mean-token-mean",
+                     kl_beta=0.1, kl_kind="k3", entropy_coef=0.01)
+    assert trainer._splits_lm_head(engine.module)
+    results = {}
+    for name, splits in (("split", True), ("full", False)):
+        monkeypatch.setattr(trainer, "_splits_lm_head", lambda module, splits=splits: splits)
+        loss, metrics = trainer._micro_objective(engine, part, objective, ("echo", "seal"), on_policy=False)
+        grads = torch.autograd.grad(loss, [p for p in engine.module.parameters() if p.requires_grad])
+        results[name] = (loss.detach(), metrics, grads)
+    (loss, metrics, grads), (full_loss, full_metrics, full_grads) = results["split"], results["full"]
+    torch.testing.assert_close(loss, full_loss, atol=1e-6, rtol=0)
+    assert metrics.keys() == full_metrics.keys()
+    for key in ("entropy", "kl_loss", "pg_loss", "approx_kl", "echo_loss", "seal_loss"):
+        assert metrics[key] == pytest.approx(full_metrics[key], abs=1e-6), key
+    for got, expected in zip(grads, full_grads):
+        torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("aggregation", AGGREGATIONS)
+def test_entropy_at_picked_positions_equals_entropy_from_logits(aggregation):
+    logits = torch.randn(3, 5, 7)
+    logits[0, 1, 2] = -math.inf
+    mask = torch.tensor([[0, 1, 1, 0, 0], [1, 1, 1, 1, 0], [0, 0, 0, 0, 0]], dtype=torch.float32)
+    expected = entropy_from_logits(logits, mask, aggregation)
+    got = trainer._entropy_at(logits[mask.bool()], mask, aggregation)
+    torch.testing.assert_close(got, expected, atol=1e-6, rtol=0)
+
+
+def test_one_step_update_reuses_the_training_logprobs(tiny_policy_dir, tmp_path, monkeypatch):
+    """One epoch of one mini-batch skips the old-log-prob pass: same update and mismatch as with the pass."""
+    model, tokenizer = load_policy(tiny_policy_dir)
+    rows = varied_rows(tokenizer)
+    with torch.no_grad():
+        rollout = token_logprobs(model, collate(rows, PAD))                  # [B, L]
+    mask = collate(rows, PAD)["response_mask"].bool()
+    rows = [r._replace(old_logprobs=[v + 0.01 * (b + 1) for v in rollout[b][mask[b]].tolist()]) if b % 2 else r
+            for b, r in enumerate(rows)]
+    updates, results, passes = {}, {}, {}
+    for name, reuse in (("reuse", True), ("recompute", False)):
+        monkeypatch.setattr(trainer, "_reuses_training_logprobs", lambda e, n, reuse=reuse: reuse and e == n == 1)
+        policy = copy.deepcopy(model)
+        engine = make_ds_engine(policy, lr=1.0, config_path=sgd_config(tmp_path), grad_clip=0.0, micro_batch_size=3)
+        calls = []
+        monkeypatch.setattr(trainer, "token_logprobs", lambda *a, calls=calls: calls.append(1) or token_logprobs(*a))
+        results[name] = rl_update(engine, rows, pad_id=PAD, micro_batch_size=3, mini_batch_size=len(rows))
+        passes[name] = len(calls)
+        updates[name] = [(p - q).detach() for p, q in zip(policy.parameters(), model.parameters())]
+    assert passes == {"reuse": 0, "recompute": math.ceil(len(rows) / 3)}
+    assert results["reuse"]["ratio_mean"] == pytest.approx(1.0, abs=1e-12)   # exactly 1 per token
+    assert results["reuse"]["approx_kl"] == 0.0 and results["reuse"]["clip_fraction"] == 0.0
+    for key in ("logp_mismatch_mean", "logp_mismatch_max", "loss", "entropy", "grad_norm"):
+        assert results["reuse"][key] == pytest.approx(results["recompute"][key], abs=1e-5), key
+    assert results["reuse"]["logp_mismatch_max"] == pytest.approx(0.01 * len(rows), abs=1e-4)
+    for reused, recomputed in zip(updates["reuse"], updates["recompute"]):
+        torch.testing.assert_close(reused, recomputed, atol=1e-5, rtol=0)
