@@ -87,6 +87,9 @@ class RolloutConfig:
     max_new_tokens: int = 4
     history_turns: int = 0
     """Earlier (state, action) turns kept in the prompt (window context manager); 0 = current state only."""
+    max_generation_batches: int = 1
+    """Dynamic sampling (DAPO): up to this many generation batches per round; batches after the first draw fresh
+    scenarios for the shortfall of groups with a learning signal. 1 = no re-sampling."""
     use_skills: bool = True
     """Put the skill retrieved from the previous round's bank in the prompt's skill slot."""
     step_timeout_s: float = 10.0
@@ -266,6 +269,8 @@ def check_params(params: Params) -> None:
                           "auxiliary losses read observation tokens inside whole-trajectory sequences)")
     if params.train.zero_stage not in (0, 1, 2, 3):
         raise ParamsError(f"params.yaml: train.zero_stage must be 0-3, got {params.train.zero_stage}")
+    if params.rollout.max_generation_batches < 1:
+        raise ParamsError("params.yaml: rollout.max_generation_batches must be >= 1 (1 = no re-sampling)")
     if params.rollout.scenarios_per_round > params.bootstrap.train_scenarios:
         raise ParamsError("params.yaml: rollout.scenarios_per_round exceeds bootstrap.train_scenarios; lower it or "
                           "raise bootstrap.train_scenarios")

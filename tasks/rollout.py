@@ -32,6 +32,14 @@ def tag_attempt(trajectories: list[TrajectoryRecord], attempt: str) -> list[Traj
     return tagged
 
 
+def count_informative_groups(trajectories: list[TrajectoryRecord]) -> int:
+    """Groups whose returns are not all equal (a group-normalized advantage is non-zero for some member)."""
+    returns: dict[str, set[float]] = {}
+    for traj in trajectories:
+        returns.setdefault(traj.group_id, set()).add(traj.episode_return)
+    return sum(len(values) > 1 for values in returns.values())
+
+
 def run(params: Params, layout: Layout, round_index: int) -> dict[str, Any]:
     cfg = params.rollout
     seed = params.pipeline.seed * 1000 + round_index
@@ -40,16 +48,30 @@ def run(params: Params, layout: Layout, round_index: int) -> dict[str, Any]:
     engine = load_engine(layout.round_policy(round_index), version,
                          "warmstart" if round_index == 1 else f"train_{round_index - 1}")
     train = read_scenarios(layout, "train")
-    scenarios = random.Random(seed).sample(train, cfg.scenarios_per_round)
+    order = random.Random(seed).sample(train, len(train))  # this round's scenario order; batches take the next ones
     skills = load_skills(layout.skills(round_index - 1)) if cfg.use_skills and round_index > 1 else []
+    sampling = SamplingParams(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
+                              seed=seed)
 
     started = time.perf_counter()
-    trajectories = run_episodes(engine, engine.tokenizer, scenarios, group_size=cfg.group_size,
-                                sampling=SamplingParams(max_new_tokens=cfg.max_new_tokens,
-                                                        temperature=cfg.temperature, top_p=cfg.top_p, seed=seed),
-                                round_index=round_index, history_turns=cfg.history_turns,
-                                skills_for=skill_slot(skills, params.evaluate.skills_k),
-                                env_kwargs=env_kwargs(params.env), step_timeout_s=cfg.step_timeout_s, seed=seed)
+    trajectories: list[TrajectoryRecord] = []
+    informative, batches, used = 0, 0, 0
+    # DAPO-style dynamic sampling: degenerate groups (all returns equal) carry no signal; draw fresh scenarios for
+    # the shortfall until scenarios_per_round informative groups exist or max_generation_batches is reached.
+    while batches < cfg.max_generation_batches and used < len(order):
+        wanted = cfg.scenarios_per_round if batches == 0 else cfg.scenarios_per_round - informative
+        if wanted <= 0:
+            break
+        batch = order[used: used + wanted]
+        used += len(batch)
+        batches += 1
+        new = run_episodes(engine, engine.tokenizer, batch, group_size=cfg.group_size,
+                           sampling=replace(sampling, seed=seed + 7919 * (batches - 1)),
+                           round_index=round_index, history_turns=cfg.history_turns,
+                           skills_for=skill_slot(skills, params.evaluate.skills_k), env_kwargs=env_kwargs(params.env),
+                           step_timeout_s=cfg.step_timeout_s, seed=seed + 7919 * (batches - 1))
+        informative += count_informative_groups(new)
+        trajectories += new
     elapsed = time.perf_counter() - started
     attempt = uuid.uuid4().hex[:8]
     trajectories = tag_attempt(trajectories, attempt)
@@ -64,7 +86,8 @@ def run(params: Params, layout: Layout, round_index: int) -> dict[str, Any]:
 
     metrics = summarize(trajectories)
     tokens = sum(t.response_tokens for t in trajectories)
-    metrics.update({"round": round_index, "steps": len(frame), "wall_time_s": elapsed,
+    metrics.update({"round": round_index, "steps": len(frame), "wall_time_s": elapsed, "generation_batches": batches,
+                    "informative_groups": informative, "batch_full": informative >= cfg.scenarios_per_round,
                     "sampled_tokens_per_s": tokens / max(elapsed, 1e-9), "skills_in_prompt": len(skills) > 0})
     write_json(layout.round_metrics(round_index, "rollout"), metrics)
     return metrics
