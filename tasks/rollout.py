@@ -1,9 +1,10 @@
 """rollout: G rollouts per train scenario with the current policy; every step into the data pool; Parquet export."""
 from __future__ import annotations
 
+import hashlib
+import json
 import random
 import time
-import uuid
 from dataclasses import replace
 from typing import Any
 
@@ -13,7 +14,7 @@ from datapool.records import TrajectoryRecord
 from datapool.store import DataPool
 from models.engine import SamplingParams
 from tasks.common import env_kwargs, load_engine, load_skills, read_scenarios, seed_everything, skill_slot, write_json
-from tasks.config import Params
+from tasks.config import Params, params_to_dict
 from tasks.layout import Layout
 
 
@@ -30,6 +31,20 @@ def tag_attempt(trajectories: list[TrajectoryRecord], attempt: str) -> list[Traj
         tagged.append(replace(traj, trajectory_id=new_id, steps=steps,
                               metadata={**traj.metadata, "attempt": attempt}))
     return tagged
+
+
+def attempt_id(params: Params, layout: Layout, round_index: int) -> str:
+    """Content hash of what determines this rollout (policy weights, skill bank, params, round): a rerun with the same
+    inputs reproduces the same trajectory ids, which the pool stores once (idempotent); anything else gets new ids."""
+    digest = hashlib.sha256()
+    for folder in (layout.round_policy(round_index), layout.skills(round_index - 1)):
+        for path in sorted(p for p in folder.rglob("*") if p.is_file()) if folder.exists() else []:
+            digest.update(path.name.encode())
+            digest.update(path.read_bytes())
+    digest.update(json.dumps([params_to_dict(params)[s] for s in ("pipeline", "env", "rollout", "evaluate")],
+                             sort_keys=True).encode())
+    digest.update(str(round_index).encode())
+    return digest.hexdigest()[:10]
 
 
 def count_informative_groups(trajectories: list[TrajectoryRecord]) -> int:
@@ -73,7 +88,7 @@ def run(params: Params, layout: Layout, round_index: int) -> dict[str, Any]:
         informative += count_informative_groups(new)
         trajectories += new
     elapsed = time.perf_counter() - started
-    attempt = uuid.uuid4().hex[:8]
+    attempt = attempt_id(params, layout, round_index)
     trajectories = tag_attempt(trajectories, attempt)
 
     with DataPool(cfg.pool_url or layout.pool_url) as pool:

@@ -44,3 +44,18 @@ def test_rollout_resamples_degenerate_groups_up_to_the_limit(tmp_path: Path):
     with DataPool(layout.pool_url) as pool:  # both attempts are kept in the pool, nothing overwritten
         assert pool.counts()["trajectories"] == 12 + metrics["episodes"]
     assert json.loads(layout.round_metrics(1, "rollout").read_text())["generation_batches"] == batches
+
+
+def test_rerun_with_the_same_inputs_reproduces_ids_and_writes_no_duplicates(tmp_path: Path):
+    layout = Layout(tmp_path)
+    params = parse_params(SMALL)
+    bootstrap.run(params, layout)
+    warmstart.run(params, layout)
+    rollout.run(params, layout, 1)
+    first, _ = read_steps(layout.steps(1))
+    rollout.run(params, layout, 1)
+    second, _ = read_steps(layout.steps(1))
+    assert first["trajectory_id"].tolist() == second["trajectory_id"].tolist()
+    assert first["response_ids"].map(list).tolist() == second["response_ids"].map(list).tolist()
+    with DataPool(layout.pool_url) as pool:
+        assert pool.counts()["trajectories"] == 12  # the pool stored the rerun's identical trajectories once
