@@ -35,7 +35,9 @@ Per-step differences (what one side does that the other does not):
   norm through DeepSpeed.
 
 Tokens are counted identically for both: prompt + completion tokens of every row (padding excluded) per update; a
-group's shared prompt counts once per row, since neither side computes it only once.
+group's shared prompt counts once per row on both sides, although ours runs a shared prompt prefix once per
+micro-batch and reuses its KV cache for the group's rows (models/trainer.py, `_shared_prefix_plan`), which is where
+most of our advantage comes from; TRL runs every row's prompt.
 The sides alternate within each repeat (ours, TRL, ours, TRL, ...) after one warm-up update each, so load from other
 processes hits both alike; the median tokens/s over the repeats is reported, with min and max. With one optimizer
 step, the warm-up update (both from identical weights) also checks that both optimize the same objective:

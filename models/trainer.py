@@ -425,6 +425,124 @@ def _logits_at(engine, part: dict[str, Tensor], positions: Tensor, *, want_hidde
     return logits, hidden if want_hidden else None
 
 
+class _SharedPrefixPlan(NamedTuple):
+    """How a micro-batch splits into shared prompt prefixes and per-row tails (see `_shared_prefix_plan`)."""
+
+    cache_kwarg: str            # the forward's KV-cache keyword: "cache" (transformers 5.x) or "past_key_values"
+    prefix_ids: Tensor          # [G, P] distinct prefixes (prompt minus its last token), right-padded
+    prefix_mask: Tensor         # [G, P]
+    row_prefix: Tensor          # [b] which prefix each row continues
+    tail_ids: Tensor            # [b, R] last prompt token + response tokens but the last, right-padded
+    tail_mask: Tensor           # [b, P + R] attention over the expanded prefix cache and the tail
+    tail_positions: Tensor      # [b, R] position ids, continuing after each row's own prefix
+    tail_valid: Tensor          # [b, R] true where the tail token's hidden state predicts a response token
+
+
+def _shared_prefix_plan(engine, part: dict[str, Tensor]) -> _SharedPrefixPlan | None:
+    """A plan for computing the micro-batch's logits with each distinct prompt prefix run once, or None (then the
+    plain forward is used).
+
+    Applies to TrainRow batches (`collate`: right-padded, response right after the prompt) in which at least two
+    rows share the same prompt prefix (all tokens of the prompt but the last), on a plain HF decoder (no peft, no
+    ZeRO-3, no gradient checkpointing, full attention only, LM head splittable). Anything unusual returns None.
+    """
+    if "observation_mask" in part or "input_ids" not in part:               # RowSpec layouts (aux, observations)
+        return None
+    module = engine.module
+    stage = engine.zero_optimization_stage() if hasattr(engine, "zero_optimization_stage") else 0
+    if hasattr(module, "get_base_model") or stage == 3:
+        return None
+    checkpointing = getattr(module, "is_activation_checkpointing", None)  # is_gradient_checkpointing before 5.x
+    if checkpointing is None:
+        checkpointing = getattr(module, "is_gradient_checkpointing", False)
+    if checkpointing or not _splits_lm_head(module):
+        return None
+    config = getattr(module, "config", None)
+    if config is None or getattr(config, "is_encoder_decoder", False):
+        return None
+    if module.training and (getattr(config, "attention_dropout", 0.0) or any(
+            isinstance(m, torch.nn.Dropout) and m.p > 0 for m in module.modules())):
+        return None                                                         # keep one dropout draw per row
+    text_config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    layer_types = getattr(text_config, "layer_types", None) or ()
+    if getattr(text_config, "use_sliding_window", False) or any(t != "full_attention" for t in layer_types):
+        return None
+    params = inspect.signature(module.forward).parameters
+    # transformers 5.x renamed the forward kwarg `past_key_values` to `cache` (as in models.hf_engine)
+    cache_kwarg = "cache" if "cache" in params else "past_key_values" if "past_key_values" in params else None
+    if cache_kwarg is None or "position_ids" not in params or "use_cache" not in params:
+        return None
+
+    mask = part["response_mask"].detach().cpu() > 0                         # [b, l]
+    attention = part["attention_mask"].detach().cpu() > 0                   # [b, l]
+    ids = part["input_ids"].detach().cpu()                                  # [b, l]
+    rows, width = mask.shape
+    if rows < 2:
+        return None
+    counts = mask.sum(dim=1)                                                # [b] response tokens
+    if bool((counts == 0).any()):
+        return None
+    first = mask.int().argmax(dim=1)                                        # [b] last prompt token = prefix length
+    steps = torch.arange(width)                                             # [l]
+    if not torch.equal(mask, (steps >= first[:, None]) & (steps < (first + counts)[:, None])):
+        return None
+    if not torch.equal(attention, steps < (first + counts + 1)[:, None]) or bool((first < 1).any()):
+        return None
+    groups: dict[tuple[int, ...], int] = {}
+    row_prefix = [groups.setdefault(tuple(ids[b, : int(first[b])].tolist()), len(groups)) for b in range(rows)]
+    if len(groups) == rows:
+        return None                                                         # nothing shared
+    prefix_width, tail_width = int(first.max()), int(counts.max())
+    prefix_ids = torch.zeros((len(groups), prefix_width), dtype=ids.dtype)  # [G, P]
+    prefix_mask = torch.zeros((len(groups), prefix_width), dtype=torch.long)  # [G, P]
+    for prefix, g in groups.items():
+        prefix_ids[g, : len(prefix)] = torch.tensor(prefix, dtype=ids.dtype)
+        prefix_mask[g, : len(prefix)] = 1
+    tail_steps = torch.arange(tail_width)                                   # [R]
+    tail_valid = tail_steps < counts[:, None]                               # [b, R]
+    source = (first[:, None] + tail_steps).clamp(max=width - 1)             # [b, R]
+    tail_ids = torch.where(tail_valid, ids.gather(1, source), ids[:, :1])   # [b, R]
+    prefix_part = torch.arange(prefix_width) < first[:, None]               # [b, P]
+    device = engine.device
+    return _SharedPrefixPlan(
+        cache_kwarg=cache_kwarg,
+        prefix_ids=prefix_ids.to(device),
+        prefix_mask=prefix_mask.to(device),
+        row_prefix=torch.tensor(row_prefix, dtype=torch.long, device=device),
+        tail_ids=tail_ids.to(device),
+        tail_mask=torch.cat([prefix_part, tail_valid], dim=1).long().to(device),
+        tail_positions=(first[:, None] + tail_steps).to(device),
+        tail_valid=tail_valid.to(device),
+    )
+
+
+def _shared_prefix_logits(engine, part: dict[str, Tensor], plan: _SharedPrefixPlan) -> Tensor:
+    """float32 logits [N, V] at the micro-batch's response positions (row-major), as `_logits_at` returns them.
+
+    The G distinct prefixes run once (through the engine, with a KV cache); their keys/values are expanded to the b
+    rows that share them (an indexing op, so gradients flow back into the prefix computation); then each row's tail
+    (last prompt token + response tokens) runs on that cache with positions continuing after its own prefix. The LM
+    head is applied to the tail's hidden states at the needed positions only.
+    """
+    from transformers import DynamicCache
+
+    module = engine.module
+    config = module.config
+    no_logits = torch.empty(0, dtype=torch.long, device=engine.device)
+    prefix_cache = DynamicCache(config=config)
+    engine(input_ids=plan.prefix_ids, attention_mask=plan.prefix_mask, use_cache=True, logits_to_keep=no_logits,
+           **{plan.cache_kwarg: prefix_cache})
+    cache = DynamicCache(config=config)
+    for layer_idx, layer in enumerate(prefix_cache.layers):
+        cache.update(layer.keys.index_select(0, plan.row_prefix), layer.values.index_select(0, plan.row_prefix),
+                     layer_idx)
+    outputs = engine(input_ids=plan.tail_ids, attention_mask=plan.tail_mask, position_ids=plan.tail_positions,
+                     use_cache=True, output_hidden_states=True, logits_to_keep=no_logits,
+                     **{plan.cache_kwarg: cache})
+    hidden = outputs.hidden_states[-1]                                      # [b, R, H] after the final norm
+    return module.get_output_embeddings()(hidden[plan.tail_valid]).float()  # [N, V]
+
+
 def _scatter_positions(values: Tensor, positions: Tensor) -> Tensor:
     """[b, l] (or [b, l, V]) tensor holding `values` [N] ([N, V]) at the true positions of `positions`, 0 elsewhere."""
     where = positions.to(values.device).bool()                              # [b, l]
@@ -458,7 +576,11 @@ def _micro_objective(engine, part: dict[str, Tensor], objective: dict[str, Any],
     positions = mask.bool()                                                 # [b, l]
     if logit_aux:
         positions = positions | (part["observation_mask"].bool() & part["attention_mask"].bool())
-    logits, hidden = _logits_at(engine, part, positions, want_hidden="seal" in aux)  # [N, V], [b, l, H]
+    plan = None if aux else _shared_prefix_plan(engine, part)
+    if plan is not None:
+        logits, hidden = _shared_prefix_logits(engine, part, plan), None   # [N, V]
+    else:
+        logits, hidden = _logits_at(engine, part, positions, want_hidden="seal" in aux)  # [N, V], [b, l, H]
     picked_targets = part["target_ids"].to(logits.device)[positions.to(logits.device)]  # [N]
     token_logp = logits.gather(-1, picked_targets[:, None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)  # [N]
     logp = _scatter_positions(token_logp, positions)                        # [b, l]

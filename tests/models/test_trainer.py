@@ -433,3 +433,87 @@ def test_one_step_update_reuses_the_training_logprobs(tiny_policy_dir, tmp_path,
     assert results["reuse"]["logp_mismatch_max"] == pytest.approx(0.01 * len(rows), abs=1e-4)
     for reused, recomputed in zip(updates["reuse"], updates["recompute"]):
         torch.testing.assert_close(reused, recomputed, atol=1e-5, rtol=0)
+
+
+def shared_prompt_rows() -> list[TrainRow]:
+    """GRPO-like rows: two groups sharing a prompt each (different prompt lengths, so the shorter prompts are padded
+    before their responses in the prefix pass), ragged responses, a row whose prompt differs from group A's in its
+    last token only (it shares the prefix), and a row whose prompt is a strict prefix of group A's (not shared)."""
+    a, b = [5, 6, 7, 8, 9], [11, 12, 13]
+    rows = [TrainRow(a, [20], None, 1.0), TrainRow(a, [21, 22, 23], None, -0.5), TrainRow(a, [24, 25, 26, 27], None,
+            [0.3, -0.2, 0.1, 0.4]), TrainRow(b, [30, 31], None, 0.7), TrainRow(b, [32, 33, 34, 35, 36], None, -1.2),
+            TrainRow(a[:-1] + [10], [40, 41], None, 0.2), TrainRow(a[:3], [42, 43, 44], None, -0.3)]
+    return [r._replace(old_logprobs=[-1.0 - 0.1 * i for i in range(len(r.response_ids))]) for r in rows]
+
+
+class StagedModuleAsEngine(ModuleAsEngine):
+    def zero_optimization_stage(self) -> int:
+        return 0
+
+
+@pytest.mark.parametrize("aggregation", ["token-mean", "seq-mean-token-mean"])
+def test_shared_prompt_prefix_path_matches_the_plain_forward(policy, monkeypatch, aggregation):
+    """Prefix once per distinct prompt + KV cache expanded to its rows gives the log-probs, entropy, loss and
+    gradients of the plain forward over every padded row."""
+    model, _ = policy
+    model.train()
+    engine = StagedModuleAsEngine(model)
+    rows = shared_prompt_rows()
+    part = collate(rows, PAD)
+    part["ref_logprobs"] = part["old_logprobs"] - 0.1
+    plan = trainer._shared_prefix_plan(engine, part)
+    assert plan is not None and plan.prefix_ids.shape[0] == 3 and plan.tail_ids.shape == (len(rows), 5)
+    mask = part["response_mask"].bool()
+    fast_logits = trainer._shared_prefix_logits(engine, part, plan)
+    plain_logits, _ = trainer._logits_at(engine, part, mask, want_hidden=False)
+    torch.testing.assert_close(fast_logits, plain_logits, atol=1e-5, rtol=0)
+    objective = dict(loss="ppo_clip", clip_low=0.2, clip_high=0.2, dual_clip=None, aggregation=aggregation,
+                     kl_beta=0.1, kl_kind="k3", entropy_coef=0.01)
+    results = {}
+    for name, planner in (("fast", trainer._shared_prefix_plan), ("plain", lambda engine, part: None)):
+        monkeypatch.setattr(trainer, "_shared_prefix_plan", planner)
+        loss, metrics = trainer._micro_objective(engine, part, objective, on_policy=False)
+        grads = torch.autograd.grad(loss, list(model.parameters()))
+        results[name] = (loss.detach(), metrics, grads)
+    (loss, metrics, grads), (plain_loss, plain_metrics, plain_grads) = results["fast"], results["plain"]
+    torch.testing.assert_close(loss, plain_loss, atol=1e-5, rtol=0)
+    for key in ("entropy", "kl_loss", "pg_loss", "approx_kl", "ratio_mean"):
+        assert metrics[key] == pytest.approx(plain_metrics[key], abs=1e-5), key
+    for got, expected in zip(grads, plain_grads):
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4)
+
+
+def test_shared_prompt_prefix_path_falls_back_when_unusual(policy):
+    model, _ = policy
+    engine = StagedModuleAsEngine(model)
+    unique = collate([TrainRow([5, 6], [7], None, 0.0), TrainRow([8, 9], [7, 3], None, 0.0)], PAD)
+    assert trainer._shared_prefix_plan(engine, unique) is None                # nothing shared
+    assert trainer._shared_prefix_plan(engine, collate_rows(spec_rows(), PAD)) is None  # RowSpec layout
+    assert trainer._shared_prefix_plan(StagedModuleAsEngine(apply_lora(copy.deepcopy(model))),
+                                       collate(shared_prompt_rows(), PAD)) is None      # peft
+    zero3 = StagedModuleAsEngine(model)
+    zero3.zero_optimization_stage = lambda: 3
+    assert trainer._shared_prefix_plan(zero3, collate(shared_prompt_rows(), PAD)) is None
+
+
+def test_rl_update_with_shared_prompts_matches_the_plain_forward(tiny_policy_dir, tmp_path, monkeypatch):
+    """End to end through DeepSpeed: the same parameter update and metrics with and without the prefix path."""
+    model, _ = load_policy(tiny_policy_dir)
+    rows = shared_prompt_rows()
+    updates, results, planned = {}, {}, {}
+    for name, fast in (("fast", True), ("plain", False)):
+        plans = []
+        real_plan = trainer._shared_prefix_plan
+        monkeypatch.setattr(trainer, "_shared_prefix_plan",
+                            lambda e, p, fast=fast, plans=plans: plans.append(1) or (real_plan(e, p) if fast else None))
+        policy = copy.deepcopy(model)
+        engine = make_ds_engine(policy, lr=1.0, config_path=sgd_config(tmp_path), grad_clip=0.0, micro_batch_size=4)
+        results[name] = rl_update(engine, rows, pad_id=PAD, micro_batch_size=4, mini_batch_size=len(rows))
+        planned[name] = len(plans)
+        monkeypatch.setattr(trainer, "_shared_prefix_plan", real_plan)
+        updates[name] = [(p - q).detach() for p, q in zip(policy.parameters(), model.parameters())]
+    assert planned["fast"] == 2
+    for key in ("loss", "entropy", "grad_norm", "logp_mismatch_mean"):
+        assert results["fast"][key] == pytest.approx(results["plain"][key], abs=1e-5), key
+    for fast, plain in zip(updates["fast"], updates["plain"]):
+        torch.testing.assert_close(fast, plain, atol=1e-5, rtol=0)
