@@ -16,7 +16,8 @@ from models.layouts import concatenated
 from models.checkpoint import rank_and_world
 from models.losses import LOSSES
 from models.reference import ReferencePolicy, apply_lora
-from models.trainer import TrainRow, full_weights, make_ds_engine, rl_update
+from models.ds_engine import full_weights, make_ds_engine
+from models.trainer import TrainRow, rl_update
 from tasks.common import seed_everything, write_json
 from tasks.config import Params, TrainConfig
 from tasks.layout import Layout, require

@@ -8,7 +8,8 @@ from typing import Any
 from agents.rollout import expert_demonstrations
 from envs.base import Scenario
 from models.build import load_policy, save_policy
-from models.trainer import full_weights, make_ds_engine, sft_update
+from models.ds_engine import full_weights, make_ds_engine
+from models.trainer import sft_update
 from tasks.common import env_kwargs, read_scenarios, seed_everything, write_json
 from tasks.config import Params
 from tasks.layout import Layout, require

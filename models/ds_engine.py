@@ -1,0 +1,176 @@
+"""DeepSpeed engine setup for the trainer: config files (infra/deepspeed), precision, LR schedule, the one-process
+environment, `make_ds_engine` and `full_weights` (whole, merged weights out of ZeRO-3 / LoRA)."""
+from __future__ import annotations
+
+import contextlib
+import copy
+import functools
+import json
+import math
+import os
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import deepspeed
+import torch
+
+DEEPSPEED_CONFIG_DIR = Path(__file__).resolve().parents[1] / "infra" / "deepspeed"
+PRECISIONS = ("auto", "fp32", "bf16")
+LR_SCHEDULES = ("constant", "cosine")
+
+
+def ensure_single_process_env() -> None:
+    """Sets the torch.distributed variables of a one-process world where a launcher has not set them."""
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    os.environ.setdefault("LOCAL_RANK", "0")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    if "MASTER_PORT" not in os.environ:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind(("127.0.0.1", 0))
+            os.environ["MASTER_PORT"] = str(sock.getsockname()[1])
+
+
+def load_ds_config(zero_stage: int = 0, config_path: str | Path | None = None) -> dict:
+    """Reads a DeepSpeed JSON config: `config_path`, or infra/deepspeed/zero{zero_stage}.json of this repository."""
+    path = Path(config_path) if config_path is not None else DEEPSPEED_CONFIG_DIR / f"zero{zero_stage}.json"
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"DeepSpeed config {path} not found: pass config_path, or use zero_stage 0-3 from a source checkout "
+            f"(configs live in {DEEPSPEED_CONFIG_DIR})"
+        )
+    return json.loads(path.read_text())
+
+
+def resolve_precision(precision: str) -> str:
+    """"fp32" or "bf16": "auto" is bf16 when a GPU is visible, else fp32; bf16 is never used on CPU."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"unknown precision {precision!r}; valid: {', '.join(PRECISIONS)}")
+    if precision == "auto":
+        return "bf16" if torch.cuda.is_available() else "fp32"
+    if precision == "bf16" and not torch.cuda.is_available():
+        raise ValueError("precision 'bf16' needs a GPU (CPU training stays fp32): use precision 'auto' or 'fp32'")
+    return precision
+
+
+@dataclass
+class LrSchedule:
+    """Learning-rate multiplier after `step` optimizer steps (torch LambdaLR convention: step 0 is the first update).
+
+    Warmup: update k (1-based) of the first `warmup_steps` uses k / warmup_steps of the base rate. After it,
+    "constant" keeps 1; "cosine" decays from 1 to `min_ratio` at `total_steps` (Loshchilov & Hutter 2017, "SGDR",
+    arXiv:1608.03983) and stays there. Not frozen: LambdaLR's load_state_dict writes back its fields.
+    """
+
+    kind: str = "constant"
+    warmup_steps: int = 0
+    total_steps: int | None = None
+    min_ratio: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.kind not in LR_SCHEDULES:
+            raise ValueError(f"unknown lr schedule {self.kind!r}; valid: {', '.join(LR_SCHEDULES)}")
+        if self.warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
+        if not 0.0 <= self.min_ratio <= 1.0:
+            raise ValueError(f"min_ratio is a fraction of the base lr, in [0, 1]; got {self.min_ratio}")
+        if self.kind == "cosine" and (self.total_steps is None or self.total_steps <= self.warmup_steps):
+            raise ValueError(f"the cosine schedule needs total_steps > warmup_steps ({self.warmup_steps}), got "
+                             f"{self.total_steps}: pass the number of optimizer steps of the run")
+
+    def __call__(self, step: int) -> float:
+        if step < self.warmup_steps:
+            return (step + 1) / self.warmup_steps
+        if self.kind == "constant":
+            return 1.0
+        progress = min((step - self.warmup_steps) / (self.total_steps - self.warmup_steps), 1.0)
+        return self.min_ratio + (1.0 - self.min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def build_ds_config(
+    zero_stage: int = 0,
+    config_path: str | Path | None = None,
+    *,
+    micro_batch_size: int = 8,
+    grad_accum: int = 1,
+    grad_clip: float = 1.0,
+    precision: str = "auto",
+) -> dict:
+    """The DeepSpeed config `make_ds_engine` uses: the JSON file with batch sizes, clipping and precision filled in.
+
+    train_batch_size (micro_batch_size x grad_accum x world size) is also rl_update's default mini-batch size.
+    """
+    config = load_ds_config(zero_stage, config_path)
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    config["train_micro_batch_size_per_gpu"] = micro_batch_size
+    config["gradient_accumulation_steps"] = grad_accum
+    config["train_batch_size"] = micro_batch_size * grad_accum * world_size
+    config["gradient_clipping"] = grad_clip
+    config["bf16"] = {**config.get("bf16", {}), "enabled": resolve_precision(precision) == "bf16"}
+    config["fp16"] = {**config.get("fp16", {}), "enabled": False}
+    return config
+
+
+def make_ds_engine(
+    model: torch.nn.Module,
+    *,
+    lr: float,
+    zero_stage: int = 0,
+    config_path: str | Path | None = None,
+    weight_decay: float = 0.0,
+    grad_clip: float = 1.0,
+    micro_batch_size: int = 8,
+    grad_accum: int = 1,
+    precision: str = "auto",
+    lr_schedule: str = "constant",
+    warmup_steps: int = 0,
+    total_steps: int | None = None,
+    min_lr_ratio: float = 0.0,
+):
+    """Wraps `model` in a DeepSpeed engine with AdamW over its trainable parameters; `engine.module` is the model.
+
+    Only parameters with requires_grad train (after `models.reference.apply_lora`: the adapters). A config without
+    an "optimizer" section gets a client `torch.optim.AdamW` (no JIT compile); one with a section keeps it, with
+    lr/weight_decay set. The learning rate follows `LrSchedule(lr_schedule, warmup_steps, total_steps,
+    min_lr_ratio)` (a torch LambdaLR that DeepSpeed steps and checkpoints), unless the config has its own
+    "scheduler" section. Precision: see `resolve_precision`.
+    """
+    ensure_single_process_env()
+    config = build_ds_config(zero_stage, config_path, micro_batch_size=micro_batch_size, grad_accum=grad_accum,
+                             grad_clip=grad_clip, precision=precision)
+    schedule = LrSchedule(lr_schedule, warmup_steps, total_steps, min_lr_ratio)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    if not trainable:
+        raise ValueError("the model has no parameter with requires_grad: nothing to train")
+    optimizer = None
+    if "optimizer" in config:
+        config["optimizer"].setdefault("params", {}).update(lr=lr, weight_decay=weight_decay)
+    else:
+        optimizer = torch.optim.AdamW(trainable, lr=lr, weight_decay=weight_decay)
+    scheduler = None
+    if "scheduler" not in config:
+        scheduler = functools.partial(torch.optim.lr_scheduler.LambdaLR, lr_lambda=schedule)
+    elif lr_schedule != "constant" or warmup_steps:
+        raise ValueError(f"config has a 'scheduler' section and lr_schedule={lr_schedule!r}/warmup_steps="
+                         f"{warmup_steps} were passed too: keep one of the two")
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=trainable, optimizer=optimizer,
+                                      lr_scheduler=scheduler, config=config)
+    return engine
+
+
+@contextlib.contextmanager
+def full_weights(engine) -> Iterator[torch.nn.Module]:
+    """Yields the trained policy with whole parameters, as a plain HF model.
+
+    Under ZeRO-3 the parameters are partitioned (empty) outside this block. A LoRA policy (peft) is yielded as a
+    merged copy (`merge_and_unload`), so what is saved is a plain HF model; the engine keeps training its adapters.
+    Save or serve inside it, e.g. `with full_weights(engine) as m: save_policy(m, tok, path)` (on several ranks,
+    save from rank 0 only).
+    """
+    module = engine.module
+    gathered = (deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None)
+                if engine.zero_optimization_stage() == 3 else contextlib.nullcontext())
+    with gathered:
+        yield copy.deepcopy(module).merge_and_unload() if hasattr(module, "merge_and_unload") else module
