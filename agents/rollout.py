@@ -1,30 +1,34 @@
 """The batched multi-turn rollout loop, expert demonstrations for warm-start SFT, and rollout summaries.
 
 All live episodes advance together: one ``engine.generate`` call per turn over every live episode's prompt, then
-every env steps in a thread pool with a per-call timeout. An env that raises or hangs fails only its own episode
-(status ``"failed"``, ``error`` says why). The ids in each StepRecord are exactly the ids fed to and sampled by the
-engine: responses are decoded for parsing only, never re-tokenized.
+every env steps in a thread pool with a per-call timeout (agents/workers.py). An env that raises or hangs fails
+only its own episode (status ``"failed"``, ``error`` says why). The ids in each StepRecord are exactly the ids fed
+to and sampled by the engine: responses are decoded for parsing only, never re-tokenized. Each env gets its own
+prompt template (agents/templates.py); the context manager (agents/context.py) decides what history a prompt shows.
 """
 from __future__ import annotations
 
 import dataclasses
 import time
-from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 from tqdm.auto import tqdm
 
+from agents.context import Turn, expert_fold_response, fold_process_rewards, get_context_manager, parse_fold_tags
 from agents.parser import parse_action
-from agents.prompts import build_prompt, response_text
+from agents.templates import PromptTemplate, render_prompt, response_text, template_for
+from agents.tools import parse_tool_call
+from agents.workers import call_all
 from datapool.records import StepRecord, TrajectoryRecord
-from envs.base import Scenario, TextEnv, make_scenario_env
-from envs.scenarios import expert_trajectory
+from envs.base import ENVS, Scenario, TextEnv, make_scenario_env
+from envs.scenarios import expert_steps
 from models.engine import Engine, Generation, SamplingParams
 
 SkillsFor = Callable[[Scenario], tuple[str, list[str]]]  # scenario -> (skills text for the prompt, skill ids)
+EnvKwargs = Mapping[str, Mapping[str, Any]]               # env name -> constructor kwargs
 
 
 @dataclass
@@ -37,11 +41,12 @@ class _Episode:
     trajectory_id: str
     skills_text: str
     skill_ids: list[str]
+    template: PromptTemplate
     env: TextEnv | None = None
     task: str = ""
     observation: str = ""
     info: dict = field(default_factory=dict)
-    history: list[tuple[str, str]] = field(default_factory=list)
+    turns: list[Turn] = field(default_factory=list)
     steps: list[StepRecord] = field(default_factory=list)
     status: str | None = None      # None while live
     error: str | None = None
@@ -49,24 +54,26 @@ class _Episode:
 
 
 def run_episodes(engine: Engine, tokenizer: Any, scenarios: list[Scenario], *, group_size: int,
-                 sampling: SamplingParams, round_index: int = 0, history_turns: int = 0,
-                 skills_for: SkillsFor | None = None, env_kwargs: dict | None = None, step_timeout_s: float = 10.0,
-                 workers: int = 4, progress: bool = True, seed: int = 0, max_turns: int = 256
-                 ) -> list[TrajectoryRecord]:
+                 sampling: SamplingParams, round_index: int = 0, context: str = "window", history_turns: int = 0,
+                 process_alpha: float = 0.1, skills_for: SkillsFor | None = None, env_kwargs: EnvKwargs | None = None,
+                 step_timeout_s: float = 10.0, workers: int = 4, progress: bool = True, seed: int = 0,
+                 max_turns: int = 256) -> list[TrajectoryRecord]:
     """Run ``group_size`` episodes of every scenario with ``engine``; one TrajectoryRecord per episode.
 
-    Records come back in (scenario, episode index) order. ``history_turns`` earlier (observation, action) pairs
-    go into each prompt. ``sampling.seed`` (or ``seed`` when it is None) seeds a per-turn seed derived from
-    (base seed, round, turn), so a rerun with the same inputs samples the same tokens. ``max_turns`` is a safety
-    stop for envs that never truncate: episodes still live then end as ``"truncated"``.
+    Records come back in (scenario, episode index) order. ``context`` names the context manager and
+    ``history_turns`` its window (see agents/context.py); with ``fold`` every closed subgoal gets the process reward
+    +-``process_alpha`` on its closing step. ``env_kwargs`` maps env name -> constructor kwargs (scenarios may mix
+    envs). ``sampling.seed`` (or ``seed`` when it is None) seeds a per-turn seed derived from (base seed, round,
+    turn), so a rerun with the same inputs samples the same tokens. ``max_turns`` is a safety stop for envs that
+    never truncate: episodes still live then end as ``"truncated"``.
     """
     if group_size < 1:
         raise ValueError(f"group_size must be >= 1, got {group_size}")
     if history_turns < 0:
         raise ValueError(f"history_turns must be >= 0, got {history_turns}")
+    manager = get_context_manager(context)
+    kwargs_by_env = _check_env_kwargs(env_kwargs)
     policy_version = str(engine.policy_version)
-    env_kwargs = dict(env_kwargs or {})
-    context_manager = "window" if history_turns else "none"
     started_at = time.monotonic()
 
     episodes: list[_Episode] = []
@@ -74,26 +81,29 @@ def run_episodes(engine: Engine, tokenizer: Any, scenarios: list[Scenario], *, g
         skills_text, skill_ids = skills_for(scenario) if skills_for else ("", [])
         group_id = f"{scenario.scenario_id}|r{round_index}|{policy_version}"
         episodes.extend(_Episode(scenario=scenario, index=i, group_id=group_id, trajectory_id=f"{group_id}|{i}",
-                                 skills_text=skills_text, skill_ids=list(skill_ids)) for i in range(group_size))
+                                 skills_text=skills_text, skill_ids=list(skill_ids),
+                                 template=template_for(scenario.env)) for i in range(group_size))
 
     with tqdm(total=len(episodes), desc=f"rollout r{round_index}", unit="ep", disable=not progress) as bar:
-        resets = _call_all([partial(_start_episode, ep.scenario, env_kwargs) for ep in episodes],
-                           workers=workers, timeout_s=step_timeout_s)
+        resets = call_all([partial(_start_episode, ep.scenario, kwargs_by_env.get(ep.scenario.env, {}))
+                           for ep in episodes], workers=workers, timeout_s=step_timeout_s)
         for ep, (value, error) in zip(episodes, resets):
             if error is not None:
-                _finish(ep, "failed", bar, error=f"env reset failed: {error}")
+                _finish(ep, "failed", bar, error=f"env reset failed: {error}", alpha=process_alpha, fold=False)
             else:
                 ep.env, ep.task, ep.observation, ep.info = value
 
+        fold = context == "fold"
         turn = 0
         live = [ep for ep in episodes if ep.status is None]
         while live:
             if turn >= max_turns:
                 for ep in live:
-                    _finish(ep, "truncated", bar, error=None)
+                    _finish(ep, "truncated", bar, error=None, alpha=process_alpha, fold=fold)
                 break
-            prompts = [build_prompt(ep.task, ep.observation, ep.history[-history_turns:] if history_turns else (),
-                                    ep.skills_text) for ep in live]
+            prompts = [render_prompt(ep.template, ep.task, manager(ep.turns, history_turns), ep.observation,
+                                     admissible=ep.info.get("admissible_actions") or (), skills_text=ep.skills_text)
+                       for ep in live]
             prompt_ids = [tokenizer.encode(p, add_special_tokens=False) for p in prompts]
             turn_sampling = dataclasses.replace(sampling, seed=_turn_seed(
                 sampling.seed if sampling.seed is not None else seed, round_index, turn))
@@ -102,51 +112,99 @@ def run_episodes(engine: Engine, tokenizer: Any, scenarios: list[Scenario], *, g
                 raise RuntimeError(f"engine returned {len(generations)} generations for {len(live)} prompts: "
                                    f"an Engine must return exactly one Generation per prompt, in order")
             texts = [tokenizer.decode(g.token_ids, skip_special_tokens=True) for g in generations]
-            parsed = [_env_action(text, ep.info) for text, ep in zip(texts, live)]
-            outcomes = _call_all([partial(ep.env.step, env_action) for ep, (env_action, _) in zip(live, parsed)],
-                                 workers=workers, timeout_s=step_timeout_s)
-            for ep, prompt, ids, gen, text, (env_action, action), (value, error) in zip(
+            parsed = [env_action(text, ep.info, ep.template, fold=fold) for text, ep in zip(texts, live)]
+            outcomes = call_all([partial(ep.env.step, sent) for ep, (sent, _) in zip(live, parsed)],
+                                workers=workers, timeout_s=step_timeout_s)
+            for ep, prompt, ids, gen, text, (_, action), (value, error) in zip(
                     live, prompts, prompt_ids, generations, texts, parsed, outcomes):
                 if error is not None:
-                    _finish(ep, "failed", bar, error=f"env step {len(ep.steps)} failed: {error}")
+                    _finish(ep, "failed", bar, error=f"env step {len(ep.steps)} failed: {error}",
+                            alpha=process_alpha, fold=fold)
                     continue
                 obs, reward, terminated, truncated, info = value
                 valid = bool(info.get("action_valid", True)) and action != ""
+                shown = action if valid else text.strip()
+                ep.turns.append(Turn(ep.observation, text, shown, ep.info.get("subgoals_done")))
                 ep.steps.append(_step_record(ep, ids, gen, prompt, text, action if valid else "", float(reward),
-                                             valid, policy_version, context_manager))
-                ep.history.append((ep.observation, action if valid else text.strip()))
+                                             valid, policy_version, context, info))
                 ep.observation, ep.info = obs, info
                 if terminated or truncated:
-                    _finish(ep, "complete" if terminated else "truncated", bar, error=None)
+                    _finish(ep, "complete" if terminated else "truncated", bar, error=None, alpha=process_alpha,
+                            fold=fold)
             live = [ep for ep in live if ep.status is None]
             turn += 1
 
     return [_trajectory_record(ep, round_index, policy_version, started_at) for ep in episodes]
 
 
-def expert_demonstrations(tokenizer: Any, scenarios: list[Scenario], *, history_turns: int = 0,
-                          skills_for: SkillsFor | None = None, env_kwargs: dict | None = None,
-                          require_win: bool = True) -> list[tuple[list[int], list[int]]]:
+def env_action(text: str, info: dict, template: PromptTemplate, *, fold: bool = False) -> tuple[str, str]:
+    """(what the env is sent, the parsed action or "" when invalid) for one response.
+
+    Fold tags are removed first. A tool env's JSON tool call (OpenAI format, agents/tools.py) becomes the env's
+    action string. With known admissible actions, the parsed action is sent, or the raw text when none matched
+    (the env then judges it invalid and applies its penalty). Without them the env alone judges the stripped text.
+    """
+    rest = parse_fold_tags(text).rest if fold else text
+    if template.tool_to_action is not None:
+        call = parse_tool_call(rest)
+        if call is not None:
+            mapped = template.tool_to_action(*call)
+            if mapped is None:
+                return rest.strip(), ""
+            rest = mapped
+    admissible = info.get("admissible_actions")
+    if admissible:
+        action, valid = parse_action(rest, admissible)
+        return (action, action) if valid else (rest.strip(), "")
+    return rest.strip(), rest.strip()
+
+
+def expert_demonstrations(tokenizer: Any, scenarios: list[Scenario], *, context: str = "window",
+                          history_turns: int = 0, skills_for: SkillsFor | None = None,
+                          env_kwargs: EnvKwargs | None = None, require_win: bool = True,
+                          tool_format: str = "text") -> list[tuple[list[int], list[int]]]:
     """(prompt ids, response ids) per expert step of every scenario, for warm-start SFT.
 
-    Prompts are built exactly as in ``run_episodes``; response ids are ``" " + action`` followed by eos.
-    Raises ValueError for a scenario the env's solver cannot solve (see ``envs.scenarios.expert_trajectory``).
+    Prompts are built exactly as in ``run_episodes``; a response is ``" " + action`` followed by eos (with fold,
+    the expert opens and closes the env's own subgoals with tags; with ``tool_format="openai"`` tool envs' actions
+    are written as JSON tool calls). Raises ValueError for a scenario the env's solver cannot solve.
     """
     eos = getattr(tokenizer, "eos_token_id", None)
     if eos is None:
         raise ValueError("the tokenizer has no eos_token_id: set one (e.g. eos_token='<|endoftext|>') so responses "
                          "can end")
     pairs: list[tuple[list[int], list[int]]] = []
-    for scenario in scenarios:
-        skills_text, _ = skills_for(scenario) if skills_for else ("", [])
-        history: list[tuple[str, str]] = []
-        for task, obs, action in expert_trajectory(scenario, require_win=require_win, **(env_kwargs or {})):
-            shown = history[-history_turns:] if history_turns else ()
-            prompt = build_prompt(task, obs, shown, skills_text)
-            pairs.append((tokenizer.encode(prompt, add_special_tokens=False),
-                          tokenizer.encode(response_text(action), add_special_tokens=False) + [eos]))
-            history.append((obs, action))
+    for prompt, response in expert_texts(scenarios, context=context, history_turns=history_turns,
+                                         skills_for=skills_for, env_kwargs=env_kwargs, require_win=require_win,
+                                         tool_format=tool_format):
+        pairs.append((tokenizer.encode(prompt, add_special_tokens=False),
+                      tokenizer.encode(response, add_special_tokens=False) + [eos]))
     return pairs
+
+
+def expert_texts(scenarios: Sequence[Scenario], *, context: str = "window", history_turns: int = 0,
+                 skills_for: SkillsFor | None = None, env_kwargs: EnvKwargs | None = None,
+                 require_win: bool = True, tool_format: str = "text") -> list[tuple[str, str]]:
+    """(prompt text, response text) per expert step: what ``expert_demonstrations`` tokenizes."""
+    manager = get_context_manager(context)
+    kwargs_by_env = _check_env_kwargs(env_kwargs)
+    out: list[tuple[str, str]] = []
+    for scenario in scenarios:
+        template = template_for(scenario.env)
+        skills_text, _ = skills_for(scenario) if skills_for else ("", [])
+        turns: list[Turn] = []
+        open_index: int | None = None
+        for step in expert_steps(scenario, require_win=require_win, **kwargs_by_env.get(scenario.env, {})):
+            prompt = render_prompt(template, step.task, manager(turns, history_turns), step.observation,
+                                   admissible=step.info.get("admissible_actions") or (), skills_text=skills_text)
+            response = response_text(step.action, tool_format=tool_format, template=template)
+            names, done = step.info.get("subgoals"), step.info.get("subgoals_done")
+            if context == "fold" and names and done is not None:
+                tagged, open_index = expert_fold_response(response.strip(), names, int(done), open_index)
+                response = " " + tagged
+            out.append((prompt, response))
+            turns.append(Turn(step.observation, response, step.action, step.info.get("subgoals_done")))
+    return out
 
 
 def summarize(trajectories: Sequence[TrajectoryRecord]) -> dict[str, float]:
@@ -154,34 +212,36 @@ def summarize(trajectories: Sequence[TrajectoryRecord]) -> dict[str, float]:
     n = len(trajectories)
     total_steps = sum(t.num_steps for t in trajectories)
     invalid = sum(not s.action_valid for t in trajectories for s in t.steps)
+    tool_calls = sum(s.tool_calls for t in trajectories for s in t.steps)
     return {
         "episodes": n,
         "success_rate": sum(t.won for t in trajectories) / n if n else 0.0,
         "mean_return": sum(t.episode_return for t in trajectories) / n if n else 0.0,
         "mean_steps": total_steps / n if n else 0.0,
         "mean_response_tokens": sum(t.response_tokens for t in trajectories) / n if n else 0.0,
+        "mean_prompt_tokens": (sum(len(s.prompt_ids) for t in trajectories for s in t.steps) / total_steps
+                               if total_steps else 0.0),
         "invalid_action_rate": invalid / total_steps if total_steps else 0.0,
+        "tool_calls_per_episode": tool_calls / n if n else 0.0,
         "failed_episodes": sum(t.status == "failed" for t in trajectories),
     }
 
 
 # --------------------------------------------------------------------------------------------------- helpers
+def _check_env_kwargs(env_kwargs: EnvKwargs | None) -> dict[str, dict[str, Any]]:
+    env_kwargs = env_kwargs or {}
+    unknown = sorted(str(name) for name, values in env_kwargs.items()
+                     if name not in ENVS or not isinstance(values, Mapping))
+    if unknown:
+        raise ValueError(f"env_kwargs maps env name -> constructor kwargs; {unknown} are not registered envs "
+                         f"with a mapping of kwargs (registered: {sorted(ENVS)}); e.g. "
+                         f"{{'frozenlake': {{'max_steps': 8}}}}")
+    return {name: dict(values) for name, values in env_kwargs.items()}
+
+
 def _start_episode(scenario: Scenario, env_kwargs: dict) -> tuple[TextEnv, str, str, dict]:
     env, obs, info = make_scenario_env(scenario, **env_kwargs)
     return env, env.task_description(), obs, info
-
-
-def _env_action(text: str, info: dict) -> tuple[str, str]:
-    """(what the env is sent, the parsed action or "" when invalid).
-
-    With known admissible actions, the parsed action is sent, or the raw text when none matched (the env then
-    judges it invalid and applies its penalty). Without them the env alone judges the stripped text.
-    """
-    admissible = info.get("admissible_actions")
-    if admissible:
-        action, valid = parse_action(text, admissible)
-        return (action, action) if valid else (text.strip(), "")
-    return text.strip(), text.strip()
 
 
 def _turn_seed(base: int, round_index: int, turn: int) -> int:
@@ -190,17 +250,28 @@ def _turn_seed(base: int, round_index: int, turn: int) -> int:
 
 
 def _step_record(ep: _Episode, prompt_ids: list[int], gen: Generation, prompt: str, text: str, action: str,
-                 reward: float, valid: bool, policy_version: str, context_manager: str) -> StepRecord:
+                 reward: float, valid: bool, policy_version: str, context: str, info: dict) -> StepRecord:
+    tool_call = info.get("tool_call")
     return StepRecord(
         trajectory_id=ep.trajectory_id, group_id=ep.group_id, step_index=len(ep.steps), prompt_ids=list(prompt_ids),
         response_ids=list(gen.token_ids), logprobs=list(gen.logprobs), prompt_text=prompt,
         observation=ep.observation, action=action, response_text=text, reward=reward,
         anchor=str(ep.info.get("anchor", "")), policy_version=policy_version, action_valid=valid,
-        truncated=gen.finish_reason == "length", skill_ids=list(ep.skill_ids), context_manager=context_manager)
+        truncated=gen.finish_reason == "length", skill_ids=list(ep.skill_ids), context_manager=context,
+        tool_calls=1 if tool_call else 0, tool_successes=1 if tool_call and info.get("tool_success") else 0)
 
 
-def _finish(ep: _Episode, status: str, bar: tqdm, *, error: str | None) -> None:
+def _finish(ep: _Episode, status: str, bar: tqdm, *, error: str | None, alpha: float, fold: bool) -> None:
     ep.status, ep.error, ep.ended_at = status, error, time.monotonic()
+    if fold and ep.turns:
+        for step, process_reward in zip(ep.steps, fold_process_rewards(ep.turns, alpha)):
+            step.process_reward = process_reward
+    close = getattr(ep.env, "close", None)
+    if callable(close):
+        try:
+            close()
+        except Exception as err:  # noqa: BLE001  (a failing close must not lose the episode's data)
+            ep.error = (ep.error + "; " if ep.error else "") + f"env close failed: {type(err).__name__}: {err}"
     bar.update(1)
 
 
@@ -211,51 +282,7 @@ def _trajectory_record(ep: _Episode, round_index: int, policy_version: str, star
         episode_return=float(sum(s.reward for s in ep.steps)), won=bool(ep.info.get("won", False)),
         num_steps=len(ep.steps), response_tokens=sum(len(s.response_ids) for s in ep.steps),
         wall_time_s=max(0.0, ep.ended_at - started_at), error=ep.error,
-        metadata={"scenario_id": ep.scenario.scenario_id, "episode_index": ep.index, "skill_ids": ep.skill_ids},
+        metadata={"scenario_id": ep.scenario.scenario_id, "episode_index": ep.index, "skill_ids": ep.skill_ids,
+                  "prompt_tokens": sum(len(s.prompt_ids) for s in ep.steps), "turns": len(ep.steps),
+                  "context_manager": ep.steps[0].context_manager if ep.steps else ""},
         steps=ep.steps)
-
-
-def _call_all(calls: list[Callable[[], Any]], *, workers: int, timeout_s: float) -> list[tuple[Any, str | None]]:
-    """Run ``calls`` in a thread pool; per call (value, None) or (None, reason) when it raised or ran too long.
-
-    A call's timeout counts from when it starts, not from when it was queued. Python cannot kill a thread: a call
-    that times out keeps its worker, so calls that have not started yet move to a fresh pool instead of waiting
-    behind it; the old pool is shut down without waiting.
-    """
-    results: list[tuple[Any, str | None]] = [(None, "not run")] * len(calls)
-    timed_out: set[int] = set()
-    todo = list(range(len(calls)))
-    poll_s = max(0.001, min(timeout_s, 0.05))
-    while todo:
-        started: dict[int, float] = {}
-
-        def timed(i: int) -> Any:
-            started[i] = time.monotonic()
-            return calls[i]()
-
-        pool = ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="arlflow-env")
-        futures = {pool.submit(timed, i): i for i in todo}
-        todo = []
-        waiting = set(futures)
-        while waiting:
-            _, waiting = wait(waiting, timeout=poll_s)
-            now = time.monotonic()
-            hung = False
-            for fut in list(waiting):
-                i = futures[fut]
-                if i in started and now - started[i] > timeout_s and not fut.done():
-                    waiting.discard(fut)
-                    results[i] = (None, f"timed out after {timeout_s:g} s")
-                    timed_out.add(i)
-                    hung = True
-            if hung:
-                for fut in list(waiting):
-                    if fut.cancel():
-                        waiting.discard(fut)
-                        todo.append(futures[fut])
-        for fut, i in futures.items():
-            if fut.done() and not fut.cancelled() and i not in timed_out:
-                exc = fut.exception()
-                results[i] = (None, f"{type(exc).__name__}: {exc}") if exc is not None else (fut.result(), None)
-        pool.shutdown(wait=False, cancel_futures=True)
-    return results

@@ -17,7 +17,7 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-STEPS_SCHEMA_VERSION = 2
+STEPS_SCHEMA_VERSION = 3
 """Version of STEPS_SCHEMA; files written with a newer one are refused, older ones read (see ADDED_COLUMNS)."""
 
 METADATA_KEY = b"arlflow"
@@ -42,6 +42,7 @@ STEPS_SCHEMA = pa.schema([
     pa.field("context_manager", pa.string()),
     pa.field("tool_calls", pa.int32()),
     pa.field("tool_successes", pa.int32()),
+    pa.field("process_reward", pa.float64()),
     pa.field("round", pa.int64()),
     pa.field("env", pa.string()),
     pa.field("split", pa.string()),
@@ -53,8 +54,8 @@ STEPS_SCHEMA = pa.schema([
 """One row per step: the columns of ``DataPool.steps_frame``, plus ``shaping`` (the total reward adjustment the
 ``datapool.filters`` made to the step's trajectory; ``episode_return - shaping`` is the return the env gave)."""
 
-ADDED_COLUMNS: dict[str, int | float] = {"tool_calls": 0, "tool_successes": 0, "shaping": 0.0}
-"""Columns added in layout version 2, with the value a frame or an older file without them gets: no recorded tool
+ADDED_COLUMNS: dict[str, int | float] = {"tool_calls": 0, "tool_successes": 0, "shaping": 0.0, "process_reward": 0.0}
+"""Columns added in layout versions 2 and 3 (process_reward), with the value a frame or an older file without them gets: no recorded tool
 calls, no shaping (the pool's own frames carry no ``shaping``: stored rewards are the env's)."""
 
 _LIST_COLUMNS = tuple(f.name for f in STEPS_SCHEMA if pa.types.is_list(f.type))

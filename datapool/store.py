@@ -23,7 +23,7 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
 from datapool.parquet import export_steps
 from datapool.records import TRAJECTORY_STATUSES, StepRecord, TrajectoryRecord
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 """Version of the tables below; bump it (and add a step to MIGRATIONS) whenever a column changes."""
 
 _INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
@@ -36,7 +36,7 @@ TRAJECTORY_COLUMNS: tuple[str, ...] = (
 STEP_COLUMNS: tuple[str, ...] = (
     "trajectory_id", "group_id", "step_index", "prompt_ids", "response_ids", "logprobs", "prompt_text",
     "observation", "action", "response_text", "reward", "anchor", "policy_version", "action_valid", "truncated",
-    "skill_ids", "context_manager", "tool_calls", "tool_successes",
+    "skill_ids", "context_manager", "tool_calls", "tool_successes", "process_reward",
 )
 STEP_TRAJECTORY_COLUMNS: tuple[str, ...] = ("round", "env", "split", "status", "won", "episode_return")
 """Trajectory fields joined onto every row of ``steps_frame`` (group_id is already a step field)."""
@@ -98,6 +98,7 @@ class StepRow(Base):
     context_manager: Mapped[str] = mapped_column(Text)
     tool_calls: Mapped[int] = mapped_column(Integer, server_default=text("0"))      # schema version 2
     tool_successes: Mapped[int] = mapped_column(Integer, server_default=text("0"))  # schema version 2
+    process_reward: Mapped[float] = mapped_column(Double, server_default=text("0"))  # schema version 3
 
 
 # ---------------------------------------------------------------------------------------------- migrations
@@ -110,7 +111,14 @@ def _add_step_tool_counts(conn: Connection) -> None:
             conn.execute(text(f"ALTER TABLE {StepRow.__tablename__} ADD COLUMN {name} INTEGER NOT NULL DEFAULT 0"))
 
 
-MIGRATIONS: dict[int, Callable[[Connection], None]] = {1: _add_step_tool_counts}
+def _add_step_process_reward(conn: Connection) -> None:
+    """Version 2 -> 3: the fold context manager's per-step process reward; older steps had none (0)."""
+    present = {column["name"] for column in inspect(conn).get_columns(StepRow.__tablename__)}
+    if "process_reward" not in present:
+        conn.execute(text(f"ALTER TABLE {StepRow.__tablename__} ADD COLUMN process_reward FLOAT NOT NULL DEFAULT 0"))
+
+
+MIGRATIONS: dict[int, Callable[[Connection], None]] = {1: _add_step_tool_counts, 2: _add_step_process_reward}
 """from_version -> the step that brings a pool from that version to the next one (DDL only; the version row is
 updated by ``DataPool``). Every version below SCHEMA_VERSION needs an entry."""
 
@@ -173,6 +181,8 @@ def _check_step(tid: str, traj: TrajectoryRecord, step: StepRecord) -> None:
     if len(logprobs) != len(step.response_ids):
         raise _fail(tid, f"{where} 'logprobs'",
                     f"has {len(logprobs)} values for {len(step.response_ids)} response_ids (must be equal)")
+    if not _is_real(step.process_reward) or not math.isfinite(step.process_reward):
+        raise _fail(tid, f"{where} 'process_reward'", f"must be a finite real number; got {step.process_reward!r}")
     if not _is_real(step.reward) or math.isnan(step.reward):
         # SQL backends cannot round-trip NaN faithfully (SQLite stores it as NULL)
         raise _fail(tid, f"{where} 'reward'", f"must be a real number, not NaN; got {step.reward!r}")
@@ -249,6 +259,7 @@ def _step_row(step: StepRecord) -> dict[str, Any]:
         "action_valid": bool(step.action_valid), "truncated": bool(step.truncated),
         "skill_ids": list(step.skill_ids), "context_manager": step.context_manager,
         "tool_calls": int(step.tool_calls), "tool_successes": int(step.tool_successes),
+        "process_reward": float(step.process_reward),
     }
 
 

@@ -4,14 +4,29 @@ A text env follows Gymnasium's contract with strings:
 ``reset(*, seed=None, options=None) -> (obs, info)`` and
 ``step(action) -> (obs, reward, terminated, truncated, info)``.
 ``info`` always carries ``anchor`` (hashable canonical state), ``action_valid`` and ``won``;
-``admissible_actions`` where the env knows them.
+``admissible_actions`` where the env knows them. Optional keys, with these exact names and meanings:
+
+- ``subgoals_done`` / ``subgoals_total`` (int): progress on the env's subgoals (household, textworld_cooking, ...);
+  ``subgoals_done`` never decreases within an episode. Context folding (agents/context.py) checks a closed subgoal
+  against it.
+- ``tool_call`` (dict | None): the tool call this step's action made, in OpenAI's function-call format
+  ``{"type": "function", "function": {"name": ..., "arguments": <JSON string>}}``; None when the action was no tool
+  call. ``tool_success`` (bool | None): whether the tool reported success. Tool envs also list their tools as OpenAI
+  function schemas in the class attribute ``tools``.
+
+Conventions every env follows: all constructor kwargs have defaults (``make_env(name)`` works), ``max_steps``
+truncates, ``verbosity`` (``"short"`` default, ``"full"``) sets how much text an observation carries, unknown
+``reset`` options raise ValueError naming the valid ones, and an invalid action never raises (``action_valid``
+False, the step still counts). An env whose factory sets ``split_aware = True`` receives the scenario's split as
+``options["split"]`` (``"train"`` or ``"heldout"``), so its held-out scenarios can differ in kind (unseen layouts),
+not only in seed.
 Pure module: no Prefect, MLflow, DVC or file paths.
 """
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Protocol, Sequence
 
 
 class TextEnv(Protocol):
@@ -48,6 +63,21 @@ class Scenario:
         raw = json.loads(line)
         return cls(env=raw["env"], seed=int(raw["seed"]), split=raw["split"],
                    options=tuple(sorted(raw.get("options", {}).items())))
+
+
+SPLIT_NAMES: tuple[str, ...] = ("train", "heldout")  # envs.scenarios.SPLITS; here so envs need not import it
+
+
+def check_reset_options(env: str, options: dict | None, valid: Sequence[str]) -> dict:
+    """A copy of ``options`` after checking its keys: unknown ones raise ValueError naming the valid ones; a
+    ``split`` (when valid) must be one of SPLIT_NAMES."""
+    options = dict(options or {})
+    unknown = sorted(set(options) - set(valid))
+    if unknown:
+        raise ValueError(f"{env}: unknown reset options {unknown}; valid options: {list(valid)}")
+    if "split" in options and options["split"] not in SPLIT_NAMES:
+        raise ValueError(f"{env}: unknown split {options['split']!r}; valid splits: {list(SPLIT_NAMES)}")
+    return options
 
 
 EnvFactory = Callable[..., TextEnv]

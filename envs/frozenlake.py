@@ -20,7 +20,7 @@ from typing import Any
 import gymnasium
 from gymnasium.envs.toy_text.frozen_lake import generate_random_map
 
-from envs.base import register_env
+from envs.base import check_reset_options, register_env
 
 ACTIONS: tuple[str, ...] = ("left", "down", "right", "up")  # index == gymnasium FrozenLake action id
 _MOVES: dict[str, tuple[int, int]] = {"left": (0, -1), "down": (1, 0), "right": (0, 1), "up": (-1, 0)}
@@ -84,7 +84,11 @@ class FrozenLakeText:
     def __init__(self, size: int = 4, p_frozen: float = 0.8, is_slippery: bool = False, max_steps: int = 12,
                  invalid_penalty: float = 0.0) -> None:
         if max_steps < 1:
-            raise ValueError(f"max_steps must be >= 1, got {max_steps}")
+            raise ValueError(f"frozenlake: max_steps must be >= 1, got {max_steps}")
+        if int(size) < 2:
+            raise ValueError(f"frozenlake: size must be >= 2, got {size}")
+        if not 0.0 < float(p_frozen) <= 1.0:
+            raise ValueError(f"frozenlake: p_frozen must be in (0, 1], got {p_frozen}")
         self.size = int(size)
         self.p_frozen = float(p_frozen)
         self.is_slippery = bool(is_slippery)
@@ -100,10 +104,7 @@ class FrozenLakeText:
 
     # ----------------------------------------------------------------------------------------- contract
     def reset(self, *, seed: int | None = None, options: dict | None = None) -> tuple[str, dict]:
-        options = dict(options or {})
-        unknown = sorted(set(options) - set(RESET_OPTIONS))
-        if unknown:
-            raise ValueError(f"frozenlake: unknown reset options {unknown}; valid options: {list(RESET_OPTIONS)}")
+        options = check_reset_options("frozenlake", options, RESET_OPTIONS)
         size = int(options.get("size", self.size))
         p_frozen = float(options.get("p_frozen", self.p_frozen))
         if size < 2:

@@ -8,6 +8,7 @@ the same list. Pure module: no file I/O (bootstrap writes the sets to disk).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -29,35 +30,58 @@ def make_scenarios(env: str, split: str, n: int, seed: int, options: dict | None
     split_index = SPLITS.index(split)
     rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([int(seed), split_index])))
     offsets = rng.choice(SPLIT_SEED_RANGE, size=n, replace=False)  # [n] distinct
-    frozen_options = tuple(sorted((options or {}).items()))
+    options = dict(options or {})
+    if getattr(ENVS[env], "split_aware", False):
+        options["split"] = split
+    frozen_options = tuple(sorted(options.items()))
     return [Scenario(env=env, seed=split_index * SPLIT_SEED_RANGE + int(off), split=split, options=frozen_options)
             for off in offsets]
 
 
-def expert_trajectory(scenario: Scenario, *, require_win: bool = True,
-                      **env_kwargs: Any) -> list[tuple[str, str, str]]:
-    """(task, observation, action) per step, following the env's expert solver from reset until the episode ends.
+@dataclass(frozen=True)
+class ExpertStep:
+    """One step of an expert episode: what the agent saw (task, observation, info) and what the expert did."""
+
+    task: str
+    observation: str
+    info: dict
+    action: str
+
+
+def expert_steps(scenario: Scenario, *, require_win: bool = True, **env_kwargs: Any) -> list[ExpertStep]:
+    """The env's expert solver played from reset until the episode ends, one ExpertStep per step.
 
     Raises ValueError if the solver has no action at the start (unsolvable scenario, or an env without a solver),
     or, with ``require_win``, if following it did not win (e.g. ``max_steps`` shorter than the path, or a slippery
     lake that slid the agent into a hole).
     """
     env, obs, info = make_scenario_env(scenario, **env_kwargs)
-    task = env.task_description()
-    steps: list[tuple[str, str, str]] = []
-    done = False
-    while not done:
-        action = env.expert_action()
-        if action is None:
-            if not steps:
-                raise ValueError(f"scenario {scenario.scenario_id} is unsolvable by the {scenario.env} expert "
-                                 f"solver (no path to the goal, or the env has no solver): drop it from the set")
-            break
-        steps.append((task, obs, action))
-        obs, _, terminated, truncated, info = env.step(action)
-        done = terminated or truncated
+    try:
+        task = env.task_description()
+        steps: list[ExpertStep] = []
+        done = False
+        while not done:
+            action = env.expert_action()
+            if action is None:
+                if not steps:
+                    raise ValueError(f"scenario {scenario.scenario_id} is unsolvable by the {scenario.env} expert "
+                                     f"solver (no path to the goal, or the env has no solver): drop it from the set")
+                break
+            steps.append(ExpertStep(task, obs, info, action))
+            obs, _, terminated, truncated, info = env.step(action)
+            done = terminated or truncated
+    finally:
+        close = getattr(env, "close", None)
+        if callable(close):
+            close()
     if require_win and not info.get("won", False):
         raise ValueError(f"the expert did not win scenario {scenario.scenario_id} in {len(steps)} steps "
                          f"(env kwargs {env_kwargs}): raise max_steps, use a non-slippery env, or pass "
                          f"require_win=False to keep losing demonstrations")
     return steps
+
+
+def expert_trajectory(scenario: Scenario, *, require_win: bool = True,
+                      **env_kwargs: Any) -> list[tuple[str, str, str]]:
+    """(task, observation, action) per step of ``expert_steps`` (same errors)."""
+    return [(s.task, s.observation, s.action) for s in expert_steps(scenario, require_win=require_win, **env_kwargs)]

@@ -27,14 +27,14 @@ def stage_spec(stage: str, round_index: int | None, params: Params, layout: Layo
     rounds = params.pipeline.rounds
     cmd = f"arlflow stage {stage}" + (f" --round {round_index}" if round_index is not None else "")
     if stage == "bootstrap":
-        spec = {"deps": ["envs", "agents/prompts.py", "models/build.py", "tasks/bootstrap.py"],
+        spec = {"deps": ["envs", "agents", "models/build.py", "tasks/bootstrap.py"],
                 "params": ["pipeline.seed", "env", "bootstrap"],
                 "outs": [rel(layout.scenarios_dir), rel(layout.policy("base"))],
                 "metrics": [rel(layout.metrics_dir / "bootstrap.json")]}
     elif stage == "warmstart":
         spec = {"deps": [rel(layout.policy("base")), rel(layout.scenarios("train")), "agents", "models/trainer.py",
                          "tasks/warmstart.py"],
-                "params": ["pipeline.seed", "env", "warmstart", "rollout.history_turns", "train.zero_stage"],
+                "params": ["pipeline.seed", "env", "warmstart", "rollout.context", "rollout.history_turns", "rollout.tool_format", "train.zero_stage"],
                 "outs": [rel(layout.policy("warmstart"))],
                 "metrics": [rel(layout.metrics_dir / "warmstart.json")]}
     elif stage == "rollout":
@@ -65,14 +65,14 @@ def stage_spec(stage: str, round_index: int | None, params: Params, layout: Layo
         deps += [rel(layout.scenarios("heldout")), rel(layout.skills(rounds)), "tasks/evaluate.py"]
         deps += [rel(layout.round_metrics(r, "rollout")) for r in range(1, rounds + 1)]
         spec = {"deps": deps, "params": ["pipeline", "env", "evaluate", "rollout.max_new_tokens",
-                                         "rollout.history_turns"],
+                                         "rollout.context", "rollout.history_turns", "rollout.tool_format"],
                 "metrics": [rel(layout.evaluate_metrics)],
                 "plots": [{rel(layout.rounds_plot): {"x": "round", "y": "heldout_success_rate"}}]}
     else:  # transfer
         spec = {"deps": [rel(layout.policy("base")), rel(layout.policy("warmstart")), rel(layout.scenarios_dir),
                          rel(layout.skills(rounds)), "tasks/transfer.py"],
                 "params": ["pipeline.seed", "env", "transfer", "warmstart", "evaluate", "rollout.max_new_tokens",
-                           "rollout.history_turns"],
+                           "rollout.context", "rollout.history_turns", "rollout.tool_format"],
                 "outs": [rel(layout.policy(f"transfer_{params.transfer.arch}"))],
                 "metrics": [rel(layout.transfer_metrics)]}
     return {"cmd": cmd, **spec}

@@ -506,3 +506,22 @@ def compute_turn_level_advantages(batch: StepBatch, cfg: AdvantageConfig) -> Adv
     pairs = torch.stack([batch.group_index.long(), batch.step_index.long()], dim=1)     # [R, 2]
     cell = torch.unique(pairs, dim=0, return_inverse=True)[1] if len(pairs) else pairs[:, 0]  # [R]
     return _row_result(_normalize_in_cells(returns, cell, cfg.eps), batch)
+
+
+def add_process_advantages(result: AdvantageResult, batch: StepBatch, process_rewards: Tensor, weight: float,
+                           eps: float = GRPO_EPS) -> AdvantageResult:
+    """HIPIF folding (ALGORITHMS.md section 10): A = A + weight * A^proc.
+
+    A^proc: the rows' process rewards (+-alpha on steps that closed a subgoal, 0 elsewhere) GRPO-normalized within
+    their scenario group, so a group whose closes all scored alike adds nothing. ``process_rewards`` [R].
+    """
+    if process_rewards.shape != batch.group_index.shape:
+        raise ValueError(f"process_rewards must be [R] = {tuple(batch.group_index.shape)}, got "
+                         f"{tuple(process_rewards.shape)}")
+    proc = weight * grpo_scores(process_rewards.to(torch.float64), batch.group_index, eps)         # [R]
+    rows = result.row_advantages + proc.to(result.row_advantages.dtype)                            # [R]
+    tokens = result.token_advantages + broadcast_rows(proc, batch.response_mask).to(result.token_advantages.dtype)
+    closes = process_rewards != 0                                                                  # [R]
+    metrics = {**result.metrics, "process_close_share": float(closes.double().mean()) if len(closes) else 0.0,
+               "process_reward_mean": float(process_rewards[closes].double().mean()) if closes.any() else 0.0}
+    return AdvantageResult(tokens, rows, metrics)

@@ -6,37 +6,80 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from agents.prompts import build_prompt, response_text
+from agents.context import ContextView
+from agents.rollout import expert_texts
+from agents.templates import render_prompt, response_text, template_for
 from envs.base import Scenario, make_scenario_env
 from envs.scenarios import make_scenarios
 from models.build import build_model, count_parameters, load_policy, save_policy, train_tokenizer
 from skills.bank import Skill
 from skills.retrieval import render_skills
-from tasks.common import env_kwargs, seed_everything, write_json, write_scenarios
+from tasks.common import env_kwargs, pregenerate_games, seed_everything, write_json, write_scenarios
 from tasks.config import Params
 from tasks.layout import Layout
 
-ACTION_WORDS = ("left", "down", "right", "up")
 
-
-def tokenizer_corpus(scenarios: list[Scenario], params: Params, seed: int) -> list[str]:
-    """Text the envs produce: prompts along expert and random episodes, action responses, skill slots."""
+def tokenizer_corpus(scenarios: list[Scenario], params: Params, seed: int,
+                     env_kwargs_by_env: dict[str, dict[str, Any]]) -> list[str]:
+    """Text the envs produce: prompts + responses along expert episodes (half the scenarios) and random-admissible
+    episodes (the rest), rendered as the rollout renders them, some with a skill slot."""
     rng = random.Random(seed)
     texts: list[str] = []
     for scenario in scenarios:
-        env, obs, info = make_scenario_env(scenario, **env_kwargs(params.env))
-        expert = rng.random() < 0.5
+        options = {"context": params.rollout.context, "history_turns": params.rollout.history_turns,
+                   "env_kwargs": env_kwargs_by_env}
         skills_text = ""
         if rng.random() < 0.5:
-            macro = tuple(rng.choice(ACTION_WORDS) for _ in range(rng.randint(2, 4)))
+            macro = tuple(rng.choice(("left", "right", "up", "down", "look", "open")) for _ in range(rng.randint(2, 4)))
             skills_text = render_skills([Skill(name="corpus", when_to_use="", procedure="", macro=macro)])
-        for _ in range(params.env.max_steps):
-            action = (env.expert_action() if expert else None) or rng.choice(ACTION_WORDS)
-            texts.append(build_prompt(env.task_description(), obs, skills_text=skills_text) + response_text(action))
+        if rng.random() < 0.5:
+            try:
+                pairs = expert_texts([scenario], require_win=False, tool_format=params.rollout.tool_format,
+                                     skills_for=lambda _s, text=skills_text: (text, []), **options)
+                texts.extend(prompt + response for prompt, response in pairs)
+                continue
+            except ValueError:  # no expert for this env or scenario: random play below
+                pass
+        texts.extend(random_play_texts(scenario, rng, skills_text, env_kwargs_by_env.get(scenario.env, {})))
+    return texts
+
+
+def random_play_texts(scenario: Scenario, rng: random.Random, skills_text: str, env_kwargs: dict) -> list[str]:
+    """Prompt + response per step of an episode that takes random admissible actions (the expert's action, or a
+    junk word, where the env lists none)."""
+    env, obs, info = make_scenario_env(scenario, **env_kwargs)
+    template = template_for(scenario.env)
+    texts = []
+    try:
+        for _ in range(64):
+            admissible = info.get("admissible_actions") or []
+            action = rng.choice(admissible) if admissible else (env.expert_action() or "look")
+            prompt = render_prompt(template, env.task_description(), ContextView(), obs, admissible=admissible,
+                                   skills_text=skills_text)
+            texts.append(prompt + response_text(action))
             obs, _, terminated, truncated, info = env.step(action)
             if terminated or truncated:
                 break
+    finally:
+        close = getattr(env, "close", None)
+        if callable(close):
+            close()
     return texts
+
+
+def make_scenario_sets(params: Params) -> tuple[list[Scenario], list[Scenario]]:
+    """(train, heldout): per env of the mix (or env.name), its own seeded sets; train shuffled across envs so any
+    prefix (warm-start demos, a round's batch) mixes them."""
+    cfg, seed = params.bootstrap, params.pipeline.seed
+    train: list[Scenario] = []
+    heldout: list[Scenario] = []
+    for name in params.env.names:
+        n_train = params.env.mix.get(name, cfg.train_scenarios)
+        train += make_scenarios(name, "train", n_train, seed)
+        heldout += make_scenarios(name, "heldout", cfg.heldout_scenarios, seed)
+    if len(params.env.names) > 1:
+        random.Random(seed).shuffle(train)
+    return train, heldout
 
 
 def run(params: Params, layout: Layout) -> dict[str, Any]:
@@ -47,9 +90,9 @@ def run(params: Params, layout: Layout) -> dict[str, Any]:
         raise FileNotFoundError(f"bootstrap.model = {cfg.model!r} is not a Hugging Face model folder "
                                 "(no config.json); set it to a folder saved with save_pretrained, or '' for "
                                 "the tiny local model")
-    options: dict = {}
-    train = make_scenarios(params.env.name, "train", cfg.train_scenarios, seed, options)
-    heldout = make_scenarios(params.env.name, "heldout", cfg.heldout_scenarios, seed, options)
+    train, heldout = make_scenario_sets(params)
+    kwargs_by_env = env_kwargs(params, layout)
+    pregenerate_games(train + heldout, kwargs_by_env)
     write_scenarios(layout.scenarios("train"), train)
     write_scenarios(layout.scenarios("heldout"), heldout)
 
@@ -59,7 +102,7 @@ def run(params: Params, layout: Layout) -> dict[str, Any]:
     if cfg.model:
         model, tokenizer = load_policy(Path(cfg.model))
     else:
-        corpus = tokenizer_corpus(train[: cfg.tokenizer_corpus_episodes], params, seed)
+        corpus = tokenizer_corpus(train[: cfg.tokenizer_corpus_episodes], params, seed, kwargs_by_env)
         tokenizer = train_tokenizer(corpus, cfg.vocab_size)
         model = build_model(cfg.arch, tokenizer, hidden_size=cfg.hidden_size, num_layers=cfg.num_layers,
                             num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
@@ -67,9 +110,11 @@ def run(params: Params, layout: Layout) -> dict[str, Any]:
                             max_position_embeddings=cfg.max_position_embeddings, seed=seed)
     save_policy(model, tokenizer, target)
     first_prompts = []
-    for scenario in heldout[:50]:
-        env, obs, _ = make_scenario_env(scenario, **env_kwargs(params.env))
-        first_prompts.append(len(tokenizer.encode(build_prompt(env.task_description(), obs), add_special_tokens=False)))
+    for scenario in heldout[:: max(1, len(heldout) // 50)]:
+        env, obs, info = make_scenario_env(scenario, **kwargs_by_env.get(scenario.env, {}))
+        prompt = render_prompt(template_for(scenario.env), env.task_description(), ContextView(), obs,
+                               admissible=info.get("admissible_actions") or ())
+        first_prompts.append(len(tokenizer.encode(prompt, add_special_tokens=False)))
     metrics = {
         "parameters": count_parameters(model),
         "vocab_size": len(tokenizer),

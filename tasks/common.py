@@ -14,12 +14,13 @@ import torch
 from agents.rollout import run_episodes, summarize
 from datapool.records import TrajectoryRecord
 from envs.base import Scenario
+from envs.textworld_cooking import TextWorldCooking, generate_games
 from models.build import load_policy
 from models.engine import SamplingParams
 from models.hf_engine import TransformersEngine
 from skills.bank import Skill, load_bank
 from skills.retrieval import render_skills, select_skills
-from tasks.config import EnvConfig, Params
+from tasks.config import Params
 from tasks.layout import Layout, require
 
 
@@ -59,9 +60,30 @@ def read_scenarios(layout: Layout, split: str) -> list[Scenario]:
     return scenarios
 
 
-def env_kwargs(cfg: EnvConfig) -> dict[str, Any]:
-    return {"size": cfg.size, "p_frozen": cfg.p_frozen, "max_steps": cfg.max_steps, "is_slippery": cfg.is_slippery,
-            "invalid_penalty": cfg.invalid_penalty}
+def env_kwargs(params: Params, layout: Layout | None = None) -> dict[str, dict[str, Any]]:
+    """Env name -> constructor kwargs: params' env.kwargs, plus where generated game files live (textworld_cooking
+    games are a bootstrap output under the layout)."""
+    kwargs = {name: dict(values) for name, values in params.env.kwargs.items()}
+    if layout is not None and "textworld_cooking" in params.env.names:
+        kwargs.setdefault("textworld_cooking", {}).setdefault("games_dir", str(layout.games_dir))
+    return kwargs
+
+
+def pregenerate_games(scenarios: list[Scenario], kwargs_by_env: dict[str, dict[str, Any]]) -> list[Path]:
+    """Generate the game files of every textworld_cooking scenario up front (bootstrap), with a progress bar, so
+    rollouts never pay TextWorld's compile time and the games are DVC-tracked with the scenario sets."""
+    cooking = [s for s in scenarios if s.env == "textworld_cooking"]
+    if not cooking:
+        return []
+    env = TextWorldCooking(**kwargs_by_env.get("textworld_cooking", {}))
+    return generate_games(cooking, env.games_dir, env.settings)
+
+
+def episode_options(params: Params, layout: Layout | None = None) -> dict[str, Any]:
+    """The harness options every stage runs episodes (and expert demos) with: one place, so rollout, evaluation
+    and warm start render prompts the same way."""
+    return {"context": params.rollout.context, "history_turns": params.rollout.history_turns,
+            "env_kwargs": env_kwargs(params, layout)}
 
 
 def seed_everything(seed: int) -> None:
@@ -93,13 +115,18 @@ def load_skills(bank_dir: Path | None) -> list[Skill]:
 
 
 def evaluate_policy(engine: TransformersEngine, scenarios: list[Scenario], params: Params, *,
-                    skills: list[Skill] | None = None, label: str = "") -> tuple[dict[str, float], list[TrajectoryRecord]]:
+                    layout: Layout | None = None, skills: list[Skill] | None = None, label: str = "") -> tuple[dict[str, float], list[TrajectoryRecord]]:
     """One episode per held-out scenario (greedy by default); returns the summary and the trajectories."""
     sampling = SamplingParams(max_new_tokens=params.rollout.max_new_tokens, temperature=params.evaluate.temperature,
                               seed=params.pipeline.seed)
     trajectories = run_episodes(engine, engine.tokenizer, scenarios, group_size=1, sampling=sampling,
-                                round_index=0, history_turns=params.rollout.history_turns,
+                                round_index=0, **episode_options(params, layout),
+                                process_alpha=params.rollout.process_alpha,
                                 skills_for=skill_slot(skills or [], params.evaluate.skills_k),
-                                env_kwargs=env_kwargs(params.env), step_timeout_s=params.rollout.step_timeout_s,
+                                step_timeout_s=params.rollout.step_timeout_s,
                                 progress=bool(label), seed=params.pipeline.seed)
-    return summarize(trajectories), trajectories
+    summary = summarize(trajectories)
+    envs_seen = sorted({t.env for t in trajectories})
+    if len(envs_seen) > 1:
+        summary["per_env"] = {name: summarize([t for t in trajectories if t.env == name]) for name in envs_seen}
+    return summary, trajectories

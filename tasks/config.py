@@ -6,12 +6,18 @@ valid keys, before any stage writes anything.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
+
+import envs  # noqa: F401  (importing the package registers every env)
+from agents.context import CONTEXT_MANAGERS
+from agents.templates import TOOL_FORMATS
+from envs.base import ENVS
 
 
 class ParamsError(ValueError):
@@ -21,17 +27,18 @@ class ParamsError(ValueError):
 @dataclass(frozen=True)
 class EnvConfig:
     name: str = "frozenlake"
-    """Registered env name (see envs.ENVS)."""
-    size: int = 4
-    """FrozenLake grid side."""
-    p_frozen: float = 0.8
-    """Probability that a generated cell is frozen (walkable)."""
-    max_steps: int = 12
-    """Turn limit of an episode (the env truncates after it)."""
-    is_slippery: bool = False
-    """Stochastic transitions (gymnasium's slippery ice)."""
-    invalid_penalty: float = 0.1
-    """Reward subtracted for a response that is not a valid action (ALGORITHMS.md section 3)."""
+    """Registered env name (see envs.ENVS) of every scenario, when ``mix`` is empty."""
+    mix: dict[str, int] = field(default_factory=dict)
+    """A mix of envs: env name -> number of train scenarios (each env also gets bootstrap.heldout_scenarios held-out
+    ones). Non-empty overrides ``name`` and bootstrap.train_scenarios."""
+    kwargs: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Env name -> constructor kwargs (e.g. frozenlake: {size: 4, max_steps: 12, invalid_penalty: 0.1}); checked
+    against the env's signature. Envs not listed use their defaults."""
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The envs of the scenario sets, in a fixed order."""
+        return tuple(sorted(self.mix)) if self.mix else (self.name,)
 
 
 @dataclass(frozen=True)
@@ -85,8 +92,15 @@ class RolloutConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     max_new_tokens: int = 4
+    context: str = "window"
+    """Context manager (agents/context.py): full, window (last history_turns turns) or fold (HIPIF subgoal folding)."""
     history_turns: int = 0
     """Earlier (state, action) turns kept in the prompt (window context manager); 0 = current state only."""
+    process_alpha: float = 0.1
+    """fold: process reward +-alpha on a step that closes a subgoal, by the env's subgoal progress."""
+    tool_format: str = "text"
+    """How warm-start demos write tool envs' actions: text (the env's grammar, search[q]) or openai (JSON tool
+    calls). The rollout parser accepts both."""
     max_generation_batches: int = 1
     """Dynamic sampling (DAPO): up to this many generation batches per round; batches after the first draw fresh
     scenarios for the shortfall of groups with a learning signal. 1 = no re-sampling."""
@@ -151,6 +165,9 @@ class TrainConfig:
     """Step discount of gigpo / graphgpo / turn_level step returns."""
     omega: float = 1.0
     """gigpo: A = A^E + omega * A^S."""
+    process_weight: float = 0.0
+    """fold context (HIPIF): A = A + process_weight * A^proc, A^proc = the steps' process rewards normalized within
+    their group (ALGORITHMS.md section 10); 0 = off."""
     anchor_mode: str = "exact"
     """gigpo/graphgpo anchor grouping: exact or fuzzy."""
     echo_weight: float = 0.05
@@ -216,10 +233,18 @@ def _coerce(section: str, key: str, expected: Any, value: Any) -> Any:
     elif typing.get_origin(expected) is tuple:  # tuple[str, ...]: a YAML list of strings
         ok = isinstance(value, (list, tuple)) and all(isinstance(item, str) for item in value)
         value = tuple(value) if ok else value
+    elif typing.get_origin(expected) is dict:  # dict[str, int] or dict[str, dict[str, Any]]: a YAML mapping
+        inner = typing.get_args(expected)[1]
+        check = ((lambda v: isinstance(v, int) and not isinstance(v, bool)) if inner is int
+                 else (lambda v: isinstance(v, dict) and all(isinstance(k, str) for k in v)))
+        ok = isinstance(value, dict) and all(isinstance(k, str) and check(v) for k, v in value.items())
+        value = {k: dict(v) if isinstance(v, dict) else v for k, v in value.items()} if ok else value
     else:
         raise TypeError(f"tasks/config.py: unsupported annotation {expected!r} for {section}.{key}")
     if not ok:
-        name = "a list of strings" if typing.get_origin(expected) is tuple else getattr(expected, "__name__", str(expected))
+        name = ("a list of strings" if typing.get_origin(expected) is tuple
+                else f"a mapping {expected}" if typing.get_origin(expected) is dict
+                else getattr(expected, "__name__", str(expected)))
         raise ParamsError(f"params.yaml: {section}.{key} must be {name}, got {value!r} ({type(value).__name__})")
     return value
 
@@ -271,9 +296,40 @@ def check_params(params: Params) -> None:
         raise ParamsError(f"params.yaml: train.zero_stage must be 0-3, got {params.train.zero_stage}")
     if params.rollout.max_generation_batches < 1:
         raise ParamsError("params.yaml: rollout.max_generation_batches must be >= 1 (1 = no re-sampling)")
-    if params.rollout.scenarios_per_round > params.bootstrap.train_scenarios:
-        raise ParamsError("params.yaml: rollout.scenarios_per_round exceeds bootstrap.train_scenarios; lower it or "
-                          "raise bootstrap.train_scenarios")
+    check_env_params(params)
+    train_total = sum(params.env.mix.values()) if params.env.mix else params.bootstrap.train_scenarios
+    if params.rollout.scenarios_per_round > train_total:
+        raise ParamsError("params.yaml: rollout.scenarios_per_round exceeds the train scenarios (bootstrap."
+                          "train_scenarios, or the sum of env.mix); lower it or raise those")
+
+
+def check_env_params(params: Params) -> None:
+    """Env names, mix counts and kwargs against the env registry and each env's constructor signature."""
+    named = set(params.env.names) | set(params.env.kwargs)
+    unknown = sorted(name for name in named if name not in ENVS)
+    if unknown:
+        raise ParamsError(f"params.yaml: env {unknown} not registered (in env.name, env.mix or env.kwargs); "
+                          f"registered envs: {sorted(ENVS)}")
+    bad_counts = {name: n for name, n in params.env.mix.items() if n < 1}
+    if bad_counts:
+        raise ParamsError(f"params.yaml: env.mix counts must be >= 1, got {bad_counts}; drop the env instead")
+    for name, kwargs in params.env.kwargs.items():
+        signature = inspect.signature(ENVS[name])
+        accepted = [p.name for p in signature.parameters.values() if p.kind is p.KEYWORD_ONLY or
+                    p.kind is p.POSITIONAL_OR_KEYWORD]
+        wrong = sorted(set(kwargs) - set(accepted))
+        if wrong:
+            raise ParamsError(f"params.yaml: env.kwargs.{name} has unknown key(s) {wrong}; {name} accepts {accepted}")
+        try:  # constructing an env is cheap (no reset): its own checks judge the values
+            ENVS[name](**kwargs)
+        except (TypeError, ValueError) as err:
+            raise ParamsError(f"params.yaml: env.kwargs.{name} is not accepted by the env: {err}") from err
+    if params.rollout.context not in CONTEXT_MANAGERS:
+        raise ParamsError(f"params.yaml: rollout.context must be one of {sorted(CONTEXT_MANAGERS)}, got "
+                          f"{params.rollout.context!r}")
+    if params.rollout.tool_format not in TOOL_FORMATS:
+        raise ParamsError(f"params.yaml: rollout.tool_format must be one of {list(TOOL_FORMATS)}, got "
+                          f"{params.rollout.tool_format!r}")
 
 
 def load_params(path: str | Path = "params.yaml") -> Params:

@@ -17,6 +17,11 @@ class Layout:
     def scenarios_dir(self) -> Path:
         return self.root / "data" / "scenarios"
 
+    @property
+    def games_dir(self) -> Path:
+        """Generated game files (textworld_cooking): part of bootstrap's scenario output, so DVC tracks them."""
+        return self.scenarios_dir / "games"
+
     def scenarios(self, split: str) -> Path:
         return self.scenarios_dir / f"{split}.jsonl"
 

@@ -13,7 +13,7 @@ from datapool.parquet import export_steps
 from datapool.records import TrajectoryRecord
 from datapool.store import DataPool
 from models.engine import SamplingParams
-from tasks.common import env_kwargs, load_engine, load_skills, read_scenarios, seed_everything, skill_slot, write_json
+from tasks.common import episode_options, load_engine, load_skills, read_scenarios, seed_everything, skill_slot, write_json
 from tasks.config import Params, params_to_dict
 from tasks.layout import Layout
 
@@ -82,8 +82,8 @@ def run(params: Params, layout: Layout, round_index: int) -> dict[str, Any]:
         batches += 1
         new = run_episodes(engine, engine.tokenizer, batch, group_size=cfg.group_size,
                            sampling=replace(sampling, seed=seed + 7919 * (batches - 1)),
-                           round_index=round_index, history_turns=cfg.history_turns,
-                           skills_for=skill_slot(skills, params.evaluate.skills_k), env_kwargs=env_kwargs(params.env),
+                           round_index=round_index, **episode_options(params, layout),
+                           process_alpha=cfg.process_alpha, skills_for=skill_slot(skills, params.evaluate.skills_k),
                            step_timeout_s=cfg.step_timeout_s, seed=seed + 7919 * (batches - 1))
         informative += count_informative_groups(new)
         trajectories += new

@@ -9,7 +9,7 @@ import torch
 
 from datapool.filters import FILTERS, FilterConfig, apply_filters
 from datapool.parquet import read_steps
-from models.advantages import ADVANTAGES, AdvantageConfig, StepBatch
+from models.advantages import ADVANTAGES, AdvantageConfig, StepBatch, add_process_advantages
 from models.aux_losses import AUX_LOSSES, AuxConfig
 from models.build import load_policy, save_policy
 from models.layouts import concatenated
@@ -59,8 +59,12 @@ def training_rows(frame: pd.DataFrame, cfg: TrainConfig, tokenizer) -> tuple[lis
     """Rows with advantages from the configured estimator (always computed per step, so step-level credit works in
     both layouts): step rows carry per-token advantages; concatenated rows (one per trajectory, token ids exactly as
     sampled) carry one advantage per turn."""
-    result = ADVANTAGES[cfg.advantage](step_batch(frame), AdvantageConfig(gamma=cfg.gamma, omega=cfg.omega,
-                                                                          anchor_mode=cfg.anchor_mode))
+    batch = step_batch(frame)
+    result = ADVANTAGES[cfg.advantage](batch, AdvantageConfig(gamma=cfg.gamma, omega=cfg.omega,
+                                                              anchor_mode=cfg.anchor_mode))
+    if cfg.process_weight > 0:
+        process = torch.tensor(frame["process_reward"].to_numpy(dtype=float), dtype=torch.float64)  # [R]
+        result = add_process_advantages(result, batch, process, cfg.process_weight)
     if cfg.layout == "step_rows":
         rows = [TrainRow(list(r.prompt_ids), list(r.response_ids), list(r.logprobs),
                          result.token_advantages[i, :len(r.response_ids)].tolist())

@@ -24,7 +24,7 @@ def build_transfer_model(params: Params, layout: Layout, target: Path) -> dict[s
                         max_position_embeddings=params.bootstrap.max_position_embeddings,
                         seed=params.pipeline.seed + 1)
     scenarios = read_scenarios(layout, "train")[: params.warmstart.demo_scenarios]
-    return sft_policy(model, tokenizer, scenarios, params, target)
+    return sft_policy(model, tokenizer, scenarios, params, target, layout)
 
 
 def run(params: Params, layout: Layout) -> dict[str, Any]:
@@ -40,8 +40,8 @@ def run(params: Params, layout: Layout) -> dict[str, Any]:
                f"{params.transfer.arch}_warmstart": load_engine(target, target.name, "transfer")}
     report: dict[str, Any] = {"models": {}, "skills_in_bank": len(skills)}
     for name, engine in engines.items():
-        without, _ = evaluate_policy(engine, heldout, params, label=f"{name} without skills")
-        with_skills, _ = evaluate_policy(engine, heldout, params, skills=skills, label=f"{name} with skills")
+        without, _ = evaluate_policy(engine, heldout, params, layout=layout, label=f"{name} without skills")
+        with_skills, _ = evaluate_policy(engine, heldout, params, layout=layout, skills=skills, label=f"{name} with skills")
         report["models"][name] = {"without_skills": without, "with_skills": with_skills}
         log_metrics(without, prefix=f"{name}.without_skills.")
         log_metrics(with_skills, prefix=f"{name}.with_skills.")

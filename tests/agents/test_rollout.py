@@ -96,7 +96,7 @@ def test_one_generate_call_per_turn_and_ids(tokenizer):
     scenarios = make_scenarios("frozenlake", "train", 3, seed=0)
     engine = FakeEngine(tokenizer, lambda _: "left")  # at the start corner "left" never moves
     trajs = run_episodes(engine, tokenizer, scenarios, group_size=2, sampling=SAMPLING, round_index=3,
-                         env_kwargs={"max_steps": 4}, progress=False)
+                         env_kwargs={"frozenlake": {"max_steps": 4}}, progress=False)
     assert len(engine.calls) == 4 and all(len(prompts) == 6 for prompts, _ in engine.calls)
     assert [t.trajectory_id for t in trajs] == [
         f"{s.scenario_id}|r3|v0|{i}" for s in scenarios for i in range(2)]
@@ -113,7 +113,7 @@ def test_one_generate_call_per_turn_and_ids(tokenizer):
             assert step.response_ids[-1] == tokenizer.eos_token_id and len(step.logprobs) == len(step.response_ids)
             assert (step.action, step.response_text, step.action_valid, step.truncated) == ("left", " left", True,
                                                                                              False)
-            assert step.anchor.endswith(":0,0") and step.context_manager == "none" and step.policy_version == "v0"
+            assert step.anchor.endswith(":0,0") and step.context_manager == "window" and step.policy_version == "v0"
 
 
 def test_batch_shrinks_as_episodes_finish_and_oracle_wins(tokenizer):
@@ -146,7 +146,7 @@ def test_history_window_and_skills_in_prompts(tokenizer):
 
 def test_random_engine_is_reproducible_and_flags_invalid_and_truncated(tokenizer):
     scenarios = make_scenarios("frozenlake", "train", 4, seed=2)
-    kwargs = dict(group_size=3, sampling=SAMPLING, progress=False, seed=9, env_kwargs={"max_steps": 5})
+    kwargs = dict(group_size=3, sampling=SAMPLING, progress=False, seed=9, env_kwargs={"frozenlake": {"max_steps": 5}})
     e1, e2 = RandomEngine(len(tokenizer), tokenizer.eos_token_id), RandomEngine(len(tokenizer), tokenizer.eos_token_id)
     a, b = run_episodes(e1, tokenizer, scenarios, **kwargs), run_episodes(e2, tokenizer, scenarios, **kwargs)
     assert [[s.response_ids for s in t.steps] for t in a] == [[s.response_ids for s in t.steps] for t in b]
@@ -228,5 +228,5 @@ def test_summarize_hand_computed():
     assert summarize(trajs) == {"episodes": 3, "success_rate": pytest.approx(1 / 3),
                                 "mean_return": pytest.approx(0.5 / 3), "mean_steps": 2.0,
                                 "mean_response_tokens": pytest.approx(10 / 3), "invalid_action_rate": 2 / 6,
-                                "failed_episodes": 1}
+                                "failed_episodes": 1, "mean_prompt_tokens": 1.0, "tool_calls_per_episode": 0.0}
     assert summarize([])["episodes"] == 0

@@ -271,13 +271,14 @@ def test_a_version_1_pool_is_migrated_in_place(tmp_path: Path) -> None:
                      (encode_ids([1, 2]), encode_ids([3, 4]), encode_logprobs([-0.5, -0.25])))
     conn.close()
 
-    assert SCHEMA_VERSION == 2
-    with DataPool(str(db)) as pool:
+    assert SCHEMA_VERSION == 3
+    with DataPool(str(db)) as pool:  # 1 -> 2 (tool counts) -> 3 (process reward), in one transaction
         with pool.engine.connect() as conn:
-            assert conn.execute(text("SELECT id, version FROM schema_version")).all() == [(1, 2)]
+            assert conn.execute(text("SELECT id, version FROM schema_version")).all() == [(1, 3)]
         old = pool.steps_frame()
         assert old["trajectory_id"].tolist() == ["old"] and old["response_ids"].tolist() == [[3, 4]]
         assert old["tool_calls"].tolist() == [0] and old["tool_successes"].tolist() == [0]
+        assert old["process_reward"].tolist() == [0.0]
         assert pool.add_trajectories([make_traj("new", steps=3)]) == 1
         assert pool.steps_frame()["tool_calls"].tolist() == [0, 1, 2, 0]  # "new" sorts before "old"
     with DataPool(str(db)) as again:  # opening a migrated pool is a no-op
@@ -286,6 +287,7 @@ def test_a_version_1_pool_is_migrated_in_place(tmp_path: Path) -> None:
         columns = {row[1]: row for row in conn.execute("PRAGMA table_info(steps)")}
     conn.close()
     assert columns["tool_calls"][2] == "INTEGER" and columns["tool_calls"][4] == "0"  # type, default
+    assert columns["process_reward"][2] == "FLOAT" and columns["process_reward"][4] == "0"
 
 
 def test_a_failed_migration_changes_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -331,5 +333,5 @@ def test_two_processes_opening_a_version_1_pool_at_once_migrate_it_once(tmp_path
         thread.join()
     assert errors == []
     with sqlite3.connect(db) as conn:
-        assert conn.execute("SELECT version FROM schema_version").fetchall() == [(2,)]
+        assert conn.execute("SELECT version FROM schema_version").fetchall() == [(SCHEMA_VERSION,)]
     conn.close()

@@ -13,7 +13,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from models.advantages import (
-    ADVANTAGES, AdvantageConfig, StepBatch, broadcast_rows, compute_gigpo_advantages, compute_grpo_advantages,
+    ADVANTAGES, GRPO_EPS, AdvantageConfig, StepBatch, add_process_advantages, broadcast_rows,
+    compute_gigpo_advantages, compute_grpo_advantages,
 )
 
 NAMES = ["dr_grpo", "gigpo", "graphgpo", "grpo", "reinforce_pp", "reinforce_pp_baseline", "rloo", "turn_level"]
@@ -555,3 +556,21 @@ def test_malformed_batches_and_configs_are_rejected_with_a_fix():
         AdvantageConfig(anchor_mode="hash")
     with pytest.raises(ValueError, match="gamma"):
         AdvantageConfig(gamma=1.5)
+
+
+def test_process_advantages_hand_computed():
+    """HIPIF: A += w * grpo(process rewards per group). Group 0: [0.1, 0, -0.1] -> mean 0, unbiased std 0.1 ->
+    [1, 0, -1]; group 1 all zero -> 0. With w = 0.5 and the eps of GRPO the added values are +-0.5/(1+eps/0.1)."""
+    rows = [row(0, 0, 0, 0.0, mask=(1, 1)), row(0, 0, 1, 1.0, mask=(1, 0)), row(1, 0, 0, 0.0, mask=(1, 0)),
+            row(2, 1, 0, 0.0, mask=(1, 0)), row(3, 1, 0, 0.0, mask=(1, 0))]
+    batch = make_batch(rows)
+    base = ADVANTAGES["grpo"](batch, AdvantageConfig())
+    process = torch.tensor([0.1, 0.0, -0.1, 0.0, 0.0], dtype=torch.float64)
+    out = add_process_advantages(base, batch, process, weight=0.5)
+    added = out.row_advantages - base.row_advantages
+    scale = 0.5 * 0.1 / (0.1 + GRPO_EPS)
+    close(added, [scale, 0.0, -scale, 0.0, 0.0])
+    close(out.token_advantages - base.token_advantages, broadcast_rows(added, batch.response_mask))
+    assert out.metrics["process_close_share"] == pytest.approx(2 / 5) and out.metrics["process_reward_mean"] == 0.0
+    with pytest.raises(ValueError, match="process_rewards"):
+        add_process_advantages(base, batch, process[:3], weight=0.5)

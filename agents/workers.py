@@ -1,0 +1,57 @@
+"""A thread pool that runs env calls with a per-call timeout: a call that raises or hangs fails alone.
+
+Python cannot kill a thread, so a call that times out keeps its worker; calls that have not started yet move to a
+fresh pool instead of waiting behind it, and the old pool is shut down without waiting. Envs that need hard limits
+(the terminal sandbox) also bound their own subprocesses.
+"""
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor, wait
+from typing import Any, Callable
+
+
+def call_all(calls: list[Callable[[], Any]], *, workers: int, timeout_s: float) -> list[tuple[Any, str | None]]:
+    """Run ``calls`` in a thread pool; per call (value, None) or (None, reason) when it raised or ran too long.
+
+    A call's timeout counts from when it starts, not from when it was queued. Python cannot kill a thread: a call
+    that times out keeps its worker, so calls that have not started yet move to a fresh pool instead of waiting
+    behind it; the old pool is shut down without waiting.
+    """
+    results: list[tuple[Any, str | None]] = [(None, "not run")] * len(calls)
+    timed_out: set[int] = set()
+    todo = list(range(len(calls)))
+    poll_s = max(0.001, min(timeout_s, 0.05))
+    while todo:
+        started: dict[int, float] = {}
+
+        def timed(i: int) -> Any:
+            started[i] = time.monotonic()
+            return calls[i]()
+
+        pool = ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="arlflow-env")
+        futures = {pool.submit(timed, i): i for i in todo}
+        todo = []
+        waiting = set(futures)
+        while waiting:
+            _, waiting = wait(waiting, timeout=poll_s)
+            now = time.monotonic()
+            hung = False
+            for fut in list(waiting):
+                i = futures[fut]
+                if i in started and now - started[i] > timeout_s and not fut.done():
+                    waiting.discard(fut)
+                    results[i] = (None, f"timed out after {timeout_s:g} s")
+                    timed_out.add(i)
+                    hung = True
+            if hung:
+                for fut in list(waiting):
+                    if fut.cancel():
+                        waiting.discard(fut)
+                        todo.append(futures[fut])
+        for fut, i in futures.items():
+            if fut.done() and not fut.cancelled() and i not in timed_out:
+                exc = fut.exception()
+                results[i] = (None, f"{type(exc).__name__}: {exc}") if exc is not None else (fut.result(), None)
+        pool.shutdown(wait=False, cancel_futures=True)
+    return results
