@@ -25,6 +25,7 @@ from envs.base import check_reset_options, register_env
 ACTIONS: tuple[str, ...] = ("left", "down", "right", "up")  # index == gymnasium FrozenLake action id
 _MOVES: dict[str, tuple[int, int]] = {"left": (0, -1), "down": (1, 0), "right": (0, 1), "up": (-1, 0)}
 RESET_OPTIONS: tuple[str, ...] = ("size", "p_frozen")  # what reset(options=...) may override
+VERBOSITIES: tuple[str, ...] = ("short", "full")  # full adds a legend and the steps left under the grid
 
 
 def map_id(desc: list[str]) -> str:
@@ -82,9 +83,12 @@ class FrozenLakeText:
     """
 
     def __init__(self, size: int = 4, p_frozen: float = 0.8, is_slippery: bool = False, max_steps: int = 12,
-                 invalid_penalty: float = 0.0) -> None:
+                 invalid_penalty: float = 0.0, verbosity: str = "short") -> None:
         if max_steps < 1:
             raise ValueError(f"frozenlake: max_steps must be >= 1, got {max_steps}")
+        if verbosity not in VERBOSITIES:
+            raise ValueError(f"frozenlake: verbosity must be one of {list(VERBOSITIES)}, got {verbosity!r}")
+        self.verbosity = verbosity
         if int(size) < 2:
             raise ValueError(f"frozenlake: size must be >= 2, got {size}")
         if not 0.0 < float(p_frozen) <= 1.0:
@@ -157,7 +161,10 @@ class FrozenLakeText:
 
     # ----------------------------------------------------------------------------------------- helpers
     def _observation(self) -> str:
-        return render_grid(self._desc, self._row, self._col)
+        grid = render_grid(self._desc, self._row, self._col)
+        if self.verbosity == "full":
+            grid += f"\nP you, F ice, H hole, G goal. Steps left: {self.max_steps - self._steps}."
+        return grid
 
     def _info(self, *, action_valid: bool) -> dict:
         return {

@@ -37,7 +37,7 @@ from textworld.challenges.tw_cooking import cooking
 from textworld.generator import compile_game
 from tqdm import tqdm
 
-from envs.base import register_env
+from envs.base import check_reset_options, register_env
 
 LOG = logging.getLogger(__name__)
 GAMES_DIR_ENV_VAR = "ARLFLOW_TW_GAMES_DIR"
@@ -321,14 +321,8 @@ class TextWorldCooking:
     # ----------------------------------------------------------------------------------------- contract
     def reset(self, *, seed: int | None = None, options: dict | None = None) -> tuple[str, dict]:
         """Play the game of ``seed`` (0 when None) on ``options["split"]`` (default ``train``)."""
-        options = dict(options or {})
-        unknown = sorted(set(options) - set(RESET_OPTIONS))
-        if unknown:
-            raise ValueError(f"textworld_cooking: unknown reset options {unknown}; valid options: "
-                             f"{list(RESET_OPTIONS)}")
+        options = check_reset_options("textworld_cooking", options, RESET_OPTIONS)
         split = options.get("split", "train")
-        if split not in SPLITS:
-            raise ValueError(f"textworld_cooking: unknown split {split!r}; valid splits: {list(SPLITS)}")
         path = generate_game(0 if seed is None else int(seed), split, self.settings, self.games_dir)
         if path != self._path:
             self.close()

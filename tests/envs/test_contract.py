@@ -1,6 +1,7 @@
 """The text-env contract, run against every registered env (see envs/base.py)."""
 from __future__ import annotations
 
+import json
 import numbers
 
 import pytest
@@ -88,3 +89,49 @@ def test_expert_solver_wins_where_it_exists(name):
             pytest.skip(f"{name} has no expert solver")
         steps = expert_trajectory(scenario)  # raises if the expert did not win
         assert steps and all(isinstance(a, str) for _, _, a in steps)
+
+
+@pytest.mark.parametrize("name", ENV_NAMES)
+def test_unknown_reset_options_are_refused(name):
+    with pytest.raises(ValueError, match="valid options"):
+        make_env(name).reset(seed=0, options={"no_such_option": 1})
+
+
+@pytest.mark.parametrize("name", ENV_NAMES)
+def test_max_steps_truncates_and_invalid_actions_count(name):
+    env = make_env(name, max_steps=2)
+    env.reset(seed=0)
+    results = [env.step("@@ not an action @@") for _ in range(2)]
+    assert all(r[4]["action_valid"] is False for r in results)
+    _, _, terminated, truncated, _ = results[-1]
+    assert truncated or terminated
+
+
+@pytest.mark.parametrize("name", ENV_NAMES)
+def test_full_verbosity_is_accepted_and_bad_verbosity_refused(name):
+    obs, _ = make_env(name, verbosity="full").reset(seed=0)
+    assert isinstance(obs, str) and obs
+    with pytest.raises(ValueError, match="verbosity"):
+        make_env(name, verbosity="loud")
+
+
+@pytest.mark.parametrize("name", ENV_NAMES)
+def test_optional_info_keys_keep_their_meaning(name):
+    """subgoals_done never decreases and stays <= subgoals_total; tool calls are OpenAI function calls."""
+    env = make_env(name)
+    obs, info = env.reset(seed=3)
+    done_so_far = info.get("subgoals_done")
+    for _ in range(40):
+        action = env.expert_action() or (info.get("admissible_actions") or ["noop"])[0]
+        obs, _, terminated, truncated, info = env.step(action)
+        if "subgoals_done" in info:
+            assert 0 <= info["subgoals_done"] <= info["subgoals_total"]
+            assert done_so_far is None or info["subgoals_done"] >= done_so_far
+            done_so_far = info["subgoals_done"]
+        call = info.get("tool_call")
+        if call is not None:
+            assert call["type"] == "function" and isinstance(json.loads(call["function"]["arguments"]), dict)
+            assert call["function"]["name"] in [t["function"]["name"] for t in type(env).tools]
+            assert isinstance(info["tool_success"], bool)
+        if terminated or truncated:
+            break
