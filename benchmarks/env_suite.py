@@ -5,8 +5,8 @@
 For every registered env (or ``--envs``), ``--scenarios`` held-out scenarios (``make_scenarios(env, "heldout", n,
 seed)``, default env kwargs) are played by:
 - expert: the env's own solver (``expert_steps``, require_win=False); "-" where the env has none (holdem);
-- random: a uniformly random admissible action each step (seeded), or, for free-form envs without admissible actions
-  (terminal, search_qa), the expert's action with probability 1/2 and a junk action otherwise;
+- random: a uniformly random admissible action each step (seeded); "-" for free-form envs without admissible actions
+  (terminal, search_qa), where "random" has no meaning (only the observation characters are measured there);
 - untrained: a tiny Qwen2 (the pipeline's bootstrap size) with a BPE tokenizer trained on that env's expert text,
   never trained: sampled at temperature 1 through the batched rollout loop (what "base" is in the pipeline).
 Writes benchmarks/results/env_suite.json and prints a Markdown table (the one in the README).
@@ -49,9 +49,10 @@ def expert_success(scenarios) -> tuple[float | None, float]:
     return wins / len(scenarios), sum(lengths) / len(lengths)
 
 
-def random_success(scenarios, seed: int) -> tuple[float, float]:
+def random_success(scenarios, seed: int) -> tuple[float | None, float]:
+    """(success of random admissible actions, or None for free-form envs; mean observation characters)."""
     rng = random.Random(seed)
-    wins, obs_chars, observations = 0, 0, 0
+    wins, obs_chars, observations, free_form = 0, 0, 0, False
     for scenario in scenarios:
         env, obs, info = make_scenario_env(scenario)
         done = False
@@ -60,13 +61,14 @@ def random_success(scenarios, seed: int) -> tuple[float, float]:
             admissible = info.get("admissible_actions")
             if admissible:
                 action = rng.choice(admissible)
-            else:
-                action = (env.expert_action() if rng.random() < 0.5 else None) or "noop"
+            else:  # free-form: walk the expert's path to measure observations; success is not reported
+                free_form = True
+                action = env.expert_action() or "noop"
             obs, _, terminated, truncated, info = env.step(action)
             done = terminated or truncated
         wins += bool(info.get("won"))
         getattr(env, "close", lambda: None)()
-    return wins / len(scenarios), obs_chars / max(observations, 1)
+    return (None if free_form else wins / len(scenarios)), obs_chars / max(observations, 1)
 
 
 def untrained_success(name: str, scenarios, seed: int) -> dict:
@@ -112,8 +114,10 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|")
     for name, row in rows.items():
         expert = "-" if row["expert_success"] is None else f"{row['expert_success']:.2f}"
-        print(f"| {name} | {expert} | {row['random_success']:.2f} | {row['untrained_success']:.2f} | "
-              f"{row['expert_mean_steps']:.1f} | {row['mean_observation_chars']:.0f} | {row['mean_prompt_tokens']:.0f} |")
+        rand = "-" if row["random_success"] is None else f"{row['random_success']:.2f}"
+        print(f"| {name} | {expert} | {rand} | {row['untrained_success']:.2f} | "
+              f"{row['expert_mean_steps']:.1f} | {row['mean_observation_chars']:.0f} | "
+              f"{row['mean_prompt_tokens']:.0f} |")
 
 
 if __name__ == "__main__":

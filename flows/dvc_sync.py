@@ -34,7 +34,8 @@ def stage_spec(stage: str, round_index: int | None, params: Params, layout: Layo
     elif stage == "warmstart":
         spec = {"deps": [rel(layout.policy("base")), rel(layout.scenarios("train")), "agents", "models/trainer.py",
                          "tasks/warmstart.py"],
-                "params": ["pipeline.seed", "env", "warmstart", "rollout.context", "rollout.history_turns", "rollout.tool_format", "train.zero_stage"],
+                "params": ["pipeline.seed", "env", "warmstart", "rollout.context", "rollout.history_turns",
+                           "rollout.tool_format", "train.zero_stage"],
                 "outs": [rel(layout.policy("warmstart"))],
                 "metrics": [rel(layout.metrics_dir / "warmstart.json")]}
     elif stage == "rollout":

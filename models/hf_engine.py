@@ -108,32 +108,40 @@ class TransformersEngine:
         self, prompts: list[list[int]], sampling: SamplingParams, generator: torch.Generator
     ) -> list[Generation]:
         batch, width = len(prompts), max(len(p) for p in prompts)
-        input_ids = torch.full((batch, width), self.pad_id, dtype=torch.long)    # [B, P] left-padded
-        attention_mask = torch.zeros((batch, width), dtype=torch.long)          # [B, P]
-        for row, prompt in enumerate(prompts):
-            input_ids[row, width - len(prompt) :] = torch.tensor(prompt)
-            attention_mask[row, width - len(prompt) :] = 1
+        # Identical prompts (a group's G rollouts at turn 0, episodes that reached the same state) are prefilled
+        # once; the cache rows are then copied to every duplicate, which samples on its own: prefix caching for the
+        # exact-duplicate case, which is where group rollouts spend their prefill.
+        first_of: dict[tuple[int, ...], int] = {}
+        inverse = [first_of.setdefault(tuple(p), len(first_of)) for p in prompts]
+        uniques = list(first_of)                                                # U distinct prompts, in order
         device = self.model.device
-        input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
+        unique_ids, unique_mask = self._left_pad(uniques, width)                # [U, P] each
+        attention_mask = unique_mask[torch.tensor(inverse)].to(device)          # [B, P]
+        expand = torch.tensor(inverse, device=device) if len(uniques) < batch else None   # [B] row -> unique row
         eos_ids = self.eos_ids.to(device)                                       # [E]
-        position_ids = (attention_mask.cumsum(dim=-1) - 1).clamp_min(0)         # [B, P] pads do not shift positions
+        position_ids = (unique_mask.to(device).cumsum(dim=-1) - 1).clamp_min(0)  # [U, P] pads do not shift positions
         cache = DynamicCache()
 
         new_ids = torch.zeros((batch, sampling.max_new_tokens), dtype=torch.long, device=device)   # [B, T]
         new_logprobs = torch.zeros((batch, sampling.max_new_tokens), device=device)                # [B, T]
         lengths = torch.full((batch,), sampling.max_new_tokens, dtype=torch.long, device=device)   # [B] kept
         finished = torch.zeros(batch, dtype=torch.bool, device=device)                             # [B]
-        step_ids = input_ids
+        step_ids = unique_ids.to(device)
         for step in range(sampling.max_new_tokens):
             out = self.model(
                 input_ids=step_ids,
-                attention_mask=attention_mask,
+                attention_mask=attention_mask if step else unique_mask.to(device),
                 position_ids=position_ids,
                 use_cache=True,
                 logits_to_keep=1,
                 **{self._cache_kwarg: cache},               # updated in place
             )
-            logits = out.logits[:, -1, :].float()                               # [B, V]
+            logits = out.logits[:, -1, :].float()                               # [B, V] ([U, V] at the prefill)
+            if step == 0:
+                if expand is not None:
+                    cache.reorder_cache(expand)                                 # [U, ...] -> [B, ...] rows copied
+                    logits = logits[expand]                                     # [B, V]
+                    position_ids = position_ids[expand]                         # [B, P]
             next_ids = sample_next(logits, sampling, generator)                 # [B]
             next_ids = torch.where(finished, torch.full_like(next_ids, self.pad_id), next_ids)
             logprobs = torch.log_softmax(logits, dim=-1).gather(-1, next_ids[:, None]).squeeze(-1)  # [B]
@@ -160,3 +168,12 @@ class TransformersEngine:
                 )
             )
         return generations
+
+    def _left_pad(self, prompts: list[tuple[int, ...]], width: int) -> tuple[Tensor, Tensor]:
+        """Left-padded ids and attention mask [N, width] of ``prompts``."""
+        input_ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)    # [N, P]
+        attention_mask = torch.zeros((len(prompts), width), dtype=torch.long)          # [N, P]
+        for row, prompt in enumerate(prompts):
+            input_ids[row, width - len(prompt):] = torch.tensor(prompt)
+            attention_mask[row, width - len(prompt):] = 1
+        return input_ids, attention_mask

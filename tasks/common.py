@@ -115,7 +115,8 @@ def load_skills(bank_dir: Path | None) -> list[Skill]:
 
 
 def evaluate_policy(engine: TransformersEngine, scenarios: list[Scenario], params: Params, *,
-                    layout: Layout | None = None, skills: list[Skill] | None = None, label: str = "") -> tuple[dict[str, float], list[TrajectoryRecord]]:
+                    layout: Layout | None = None, skills: list[Skill] | None = None, label: str = ""
+                    ) -> tuple[dict[str, Any], list[TrajectoryRecord]]:
     """One episode per held-out scenario (greedy by default); returns the summary and the trajectories."""
     sampling = SamplingParams(max_new_tokens=params.rollout.max_new_tokens, temperature=params.evaluate.temperature,
                               seed=params.pipeline.seed)

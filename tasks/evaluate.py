@@ -29,7 +29,8 @@ def run(params: Params, layout: Layout) -> dict[str, Any]:
         engine = load_engine(layout.policy(folder), folder, producer)
         results[label], _ = evaluate_policy(engine, heldout, params, layout=layout, label=label)
         if label == f"round_{rounds}":
-            results["final_with_skills"], _ = evaluate_policy(engine, heldout, params, layout=layout, skills=final_skills,
+            results["final_with_skills"], _ = evaluate_policy(engine, heldout, params, layout=layout,
+                                                              skills=final_skills,
                                                               label="final_with_skills")
             results["final_with_skills"]["skills_in_bank"] = len(final_skills)
     results["final"] = results[f"round_{rounds}"]

@@ -13,7 +13,8 @@ from datapool.parquet import export_steps
 from datapool.records import TrajectoryRecord
 from datapool.store import DataPool
 from models.engine import SamplingParams
-from tasks.common import episode_options, load_engine, load_skills, read_scenarios, seed_everything, skill_slot, write_json
+from tasks.common import (episode_options, load_engine, load_skills, read_scenarios, seed_everything, skill_slot,
+                          write_json)
 from tasks.config import Params, params_to_dict
 from tasks.layout import Layout
 

@@ -39,13 +39,24 @@ def flat_params(params: Params) -> dict[str, Any]:
 
 
 def log_metrics(metrics: Mapping[str, Any], step: int | None = None, prefix: str = "") -> None:
-    """Log the finite numeric entries of metrics to the active run (no-op without one)."""
+    """Log the finite numeric entries of metrics to the active run (no-op without one); nested mappings (e.g.
+    ``per_env``) are logged with dotted names (``per_env.household.success_rate``)."""
     if mlflow.active_run() is None:
         return
-    numeric = {f"{prefix}{k}": float(v) for k, v in metrics.items()
-               if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(float(v))}
+    numeric = {name: float(value) for name, value in _flatten(metrics, prefix).items()
+               if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(float(value))}
     if numeric:
         mlflow.log_metrics(numeric, step=step)
+
+
+def _flatten(metrics: Mapping[str, Any], prefix: str) -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in metrics.items():
+        if isinstance(value, Mapping):
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
 
 
 def _dvc_session_key() -> str | None:

@@ -41,7 +41,8 @@ def run(params: Params, layout: Layout) -> dict[str, Any]:
     report: dict[str, Any] = {"models": {}, "skills_in_bank": len(skills)}
     for name, engine in engines.items():
         without, _ = evaluate_policy(engine, heldout, params, layout=layout, label=f"{name} without skills")
-        with_skills, _ = evaluate_policy(engine, heldout, params, layout=layout, skills=skills, label=f"{name} with skills")
+        with_skills, _ = evaluate_policy(engine, heldout, params, layout=layout, skills=skills,
+                                         label=f"{name} with skills")
         report["models"][name] = {"without_skills": without, "with_skills": with_skills}
         log_metrics(without, prefix=f"{name}.without_skills.")
         log_metrics(with_skills, prefix=f"{name}.with_skills.")

@@ -117,3 +117,28 @@ def test_sampler_draws_from_the_tempered_top_p_distribution():
     expected = torch.tensor([0.25, 0.09, 0.0225, 0.0025])
     freq = torch.bincount(ids, minlength=4) / len(ids)
     torch.testing.assert_close(freq, expected / expected.sum(), atol=0.015, rtol=0)
+
+
+def test_duplicate_prompts_are_prefilled_once_and_sample_independently(engine, prompts):
+    """Three copies of one prompt and one other: one prefill row per distinct prompt, the same greedy answer and
+    log-probs as alone, and (sampling) copies that may differ, each matching a full forward of what it sampled."""
+    batch = [prompts[0], prompts[2], prompts[0], prompts[0]]
+    calls = []
+    handle = engine.model.register_forward_pre_hook(lambda _m, args, kwargs: calls.append(kwargs["input_ids"].shape),
+                                                    with_kwargs=True)
+    try:
+        greedy = engine.generate(batch, SamplingParams(max_new_tokens=6, temperature=0.0))
+    finally:
+        handle.remove()
+    # rows are sorted by length into chunks of max_batch_size=3: the three copies form the first chunk, whose
+    # prefill runs one row; the other prompt is the second chunk
+    assert calls[0][0] == 1 and calls[0][1] == len(prompts[0])
+    alone = engine.generate([prompts[0]], SamplingParams(max_new_tokens=6, temperature=0.0))[0]
+    for copy in (greedy[0], greedy[2], greedy[3]):
+        assert copy.token_ids == alone.token_ids
+        assert torch.allclose(torch.tensor(copy.logprobs), torch.tensor(alone.logprobs), atol=1e-5)
+    sampled = engine.generate([prompts[0]] * 3, SamplingParams(max_new_tokens=12, temperature=1.0, seed=3))
+    assert len({tuple(g.token_ids) for g in sampled}) > 1  # copies sample on their own
+    for g in sampled:
+        expected = full_forward_logprobs(engine.model, prompts[0], g.token_ids)
+        assert torch.allclose(torch.tensor(g.logprobs), expected, atol=1e-4)
