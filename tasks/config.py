@@ -24,6 +24,10 @@ class ParamsError(ValueError):
     """params.yaml is malformed: the message says which section/key and what is valid."""
 
 
+FROZENLAKE_DEFAULTS: dict[str, Any] = {"size": 4, "p_frozen": 0.8, "max_steps": 12, "is_slippery": False,
+                                       "invalid_penalty": 0.1}
+
+
 @dataclass(frozen=True)
 class EnvConfig:
     name: str = "frozenlake"
@@ -31,9 +35,9 @@ class EnvConfig:
     mix: dict[str, int] = field(default_factory=dict)
     """A mix of envs: env name -> number of train scenarios (each env also gets bootstrap.heldout_scenarios held-out
     ones). Non-empty overrides ``name`` and bootstrap.train_scenarios."""
-    kwargs: dict[str, dict[str, Any]] = field(default_factory=dict)
-    """Env name -> constructor kwargs (e.g. frozenlake: {size: 4, max_steps: 12, invalid_penalty: 0.1}); checked
-    against the env's signature. Envs not listed use their defaults."""
+    kwargs: dict[str, dict[str, Any]] = field(default_factory=lambda: {"frozenlake": dict(FROZENLAKE_DEFAULTS)})
+    """Env name -> constructor kwargs, checked against the env's signature; envs not listed use their own defaults.
+    The default holds the embedded default's FrozenLake settings (a section that sets ``kwargs`` replaces it)."""
 
     @property
     def names(self) -> tuple[str, ...]:
