@@ -25,7 +25,7 @@ from envs.base import check_reset_options, register_env
 from envs.terminal_policy import SPECS, VIRTUAL_ROOT
 from envs.terminal_fs import create_sandbox, tree_state
 from envs.terminal_sandbox import CommandResult, Limits, detect_isolation, display_cwd, run_command
-from envs.terminal_tasks import POOLS, TEMPLATES, Task, make_task
+from envs.terminal_tasks import TEMPLATES, Task, make_task
 
 RESET_OPTIONS: tuple[str, ...] = ("split", "template")
 VERBOSITIES: tuple[str, ...] = ("short", "full")
