@@ -3,7 +3,7 @@ VENV ?= .venv
 PYTHON ?= python3
 BIN := $(VENV)/bin
 
-.PHONY: install pipeline repro test test-fast clean-results
+.PHONY: install system-deps pipeline repro test test-fast clean-results
 
 install: $(VENV)/.installed
 
@@ -15,13 +15,16 @@ $(VENV)/.installed: pyproject.toml
 	DS_BUILD_OPS=0 $(BIN)/pip install --quiet -e ".[dev]"
 	touch $@
 
+system-deps:
+	./infra/install_system_deps.sh
+
 pipeline: install
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/arlflow pipeline
 
 repro: install
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/dvc repro
 
-test: install
+test: install system-deps
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/pytest -q --durations=15
 
 test-fast: install

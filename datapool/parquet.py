@@ -4,6 +4,7 @@ The schema is explicit (token ids as list<int32>, log-probs as list<float32>), t
 policy versions, layout version) travels as JSON under the key ``arlflow`` in the Parquet schema metadata, and the
 file is written to a temporary name and renamed, so a crash never leaves a half-written file at ``path``.
 Files of an older layout still read: columns added since are filled with their defaults (ADDED_COLUMNS).
+``import_steps`` loads such a file back into a data pool (idempotent on trajectory id).
 """
 from __future__ import annotations
 
@@ -11,13 +12,18 @@ import json
 import os
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-STEPS_SCHEMA_VERSION = 3
+from datapool.records import StepRecord, TrajectoryRecord
+
+if TYPE_CHECKING:  # the store imports this module; import_steps only calls the pool it is given
+    from datapool.store import DataPool
+
+STEPS_SCHEMA_VERSION = 4
 """Version of STEPS_SCHEMA; files written with a newer one are refused, older ones read (see ADDED_COLUMNS)."""
 
 METADATA_KEY = b"arlflow"
@@ -43,20 +49,27 @@ STEPS_SCHEMA = pa.schema([
     pa.field("tool_calls", pa.int32()),
     pa.field("tool_successes", pa.int32()),
     pa.field("process_reward", pa.float64()),
+    pa.field("retokenized", pa.bool_()),
     pa.field("round", pa.int64()),
     pa.field("env", pa.string()),
     pa.field("split", pa.string()),
     pa.field("status", pa.string()),
     pa.field("won", pa.bool_()),
     pa.field("episode_return", pa.float64()),
+    pa.field("excluded", pa.bool_()),
     pa.field("shaping", pa.float64()),
 ])
-"""One row per step: the columns of ``DataPool.steps_frame``, plus ``shaping`` (the total reward adjustment the
+"""One row per step: the columns of ``DataPool.steps_frame`` (``retokenized``: the ids were re-derived from text;
+``excluded``: curation excluded the step or its trajectory), plus ``shaping`` (the total reward adjustment the
 ``datapool.filters`` made to the step's trajectory; ``episode_return - shaping`` is the return the env gave)."""
 
-ADDED_COLUMNS: dict[str, int | float] = {"tool_calls": 0, "tool_successes": 0, "shaping": 0.0, "process_reward": 0.0}
-"""Columns added in layout versions 2 and 3 (process_reward), with the value a frame or an older file without them gets: no recorded tool
-calls, no shaping (the pool's own frames carry no ``shaping``: stored rewards are the env's)."""
+ADDED_COLUMNS: dict[str, int | float | bool] = {
+    "tool_calls": 0, "tool_successes": 0, "shaping": 0.0, "process_reward": 0.0, "retokenized": False,
+    "excluded": False,
+}
+"""Columns added in layout versions 2 (tool counts, shaping), 3 (process_reward) and 4 (retokenized, excluded), with
+the value a frame or an older file without them gets: no recorded tool calls, no shaping (the pool's own frames
+carry no ``shaping``: stored rewards are the env's), the engine's own ids, nothing excluded."""
 
 _LIST_COLUMNS = tuple(f.name for f in STEPS_SCHEMA if pa.types.is_list(f.type))
 
@@ -129,14 +142,71 @@ def read_steps(path: str | Path) -> tuple[pd.DataFrame, dict[str, Any]]:
 
 
 def _with_added_columns(df: pd.DataFrame) -> pd.DataFrame:
-    """``df`` with every absent ADDED_COLUMNS column filled with its default, in STEPS_SCHEMA order (a new frame
-    when anything was added; ``df`` itself otherwise)."""
+    """``df`` with every absent ADDED_COLUMNS column (and every missing value in one) filled with its default, in
+    STEPS_SCHEMA order (a new frame when anything was filled; ``df`` itself otherwise)."""
     absent = [name for name in ADDED_COLUMNS if name not in df.columns]
-    if not absent:
+    holey = [name for name in ADDED_COLUMNS if name in df.columns and df[name].isna().any()]
+    if not absent and not holey:
         return df
     df = df.copy()
-    for name in absent:
+    for name in absent + holey:
         dtype = STEPS_SCHEMA.field(name).type.to_pandas_dtype()
-        df[name] = pd.Series(ADDED_COLUMNS[name], index=df.index, dtype=dtype)
+        column = df[name].where(df[name].notna(), ADDED_COLUMNS[name]) if name in holey else ADDED_COLUMNS[name]
+        df[name] = pd.Series(column, index=df.index).astype(dtype)
     order = [name for name in STEPS_SCHEMA.names if name in df.columns]
     return df[order + [name for name in df.columns if name not in STEPS_SCHEMA.names]]
+
+
+_STEP_FIELDS = ("trajectory_id", "group_id", "step_index", "prompt_text", "observation", "action", "response_text",
+                "anchor", "policy_version", "context_manager")
+
+
+def _step_record(row: dict[str, Any]) -> StepRecord:
+    fields = {name: row[name] for name in _STEP_FIELDS}
+    fields["step_index"] = int(row["step_index"])
+    return StepRecord(
+        **fields, prompt_ids=[int(i) for i in row["prompt_ids"]], response_ids=[int(i) for i in row["response_ids"]],
+        logprobs=[float(x) for x in row["logprobs"]], reward=float(row["reward"]),
+        action_valid=bool(row["action_valid"]), truncated=bool(row["truncated"]),
+        skill_ids=list(row["skill_ids"]), tool_calls=int(row["tool_calls"]), tool_successes=int(row["tool_successes"]),
+        process_reward=float(row["process_reward"]), retokenized=bool(row["retokenized"]))
+
+
+def import_steps(path: str | Path, pool: DataPool) -> int:
+    """Load a steps file (``export_steps``, any layout version) into ``pool``; return how many trajectories were
+    new. Idempotent: trajectories already in the pool are skipped. Rows flagged ``excluded`` are excluded in the
+    pool's curation (for new trajectories only; curation done in the pool since is kept).
+
+    A file holds steps, so each trajectory is rebuilt from its rows: its fields from the first row,
+    num_steps/response_tokens from the rows, ``episode_return - shaping`` (the env's return) as its return, the
+    scenario unknown ("{}") and ``metadata = {"imported_from": <file name>}``.
+    """
+    df, _ = read_steps(path)
+    trajectories: list[TrajectoryRecord] = []
+    excluded: dict[str, list[int]] = {}
+    for tid, rows in df.sort_values(["trajectory_id", "step_index"]).groupby("trajectory_id", sort=True):
+        records = rows.to_dict("records")
+        first = records[0]
+        steps = [_step_record(row) for row in records]
+        trajectories.append(TrajectoryRecord(
+            trajectory_id=str(tid), group_id=first["group_id"], scenario="{}", env=first["env"], split=first["split"],
+            round=int(first["round"]), policy_version=first["policy_version"], status=first["status"],
+            episode_return=float(first["episode_return"]) - float(first["shaping"]), won=bool(first["won"]),
+            num_steps=len(steps), response_tokens=sum(len(s.response_ids) for s in steps),
+            metadata={"imported_from": Path(path).name}, steps=steps))
+        marked = [int(row["step_index"]) for row in records if row["excluded"]]
+        if marked:
+            excluded[str(tid)] = marked
+    already = set()
+    for tid in excluded:
+        try:
+            pool.curation_of(tid)  # KeyError when the trajectory is not in the pool yet
+            already.add(tid)
+        except KeyError:
+            pass
+    added = pool.add_trajectories(trajectories)
+    for tid, indices in excluded.items():
+        if tid not in already:
+            for index in indices:
+                pool.curate(tid, step_index=index, excluded=True, note=f"excluded in {Path(path).name}")
+    return added

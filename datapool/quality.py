@@ -4,6 +4,10 @@ zero-variance group filter.
 ``validate_steps`` derives scalar columns from the step table (prompt/response/log-prob lengths, distinct
 trajectories per group, ...) and checks them with a GX suite in an ephemeral context (nothing written to disk).
 Failures never raise: the ``QualityReport`` says which expectation failed, how often, with examples.
+
+Steps whose token ids were re-derived from text (``retokenized``, an upstream that could not return sampled ids)
+fail the expectation named "no retokenized steps": training on them would silently train on ids the policy never
+sampled. A frame without the column (older files) has none.
 """
 from __future__ import annotations
 
@@ -24,6 +28,7 @@ REQUIRED_COLUMNS: tuple[str, ...] = (
 )
 _INDEX_COLUMNS = ["trajectory_id", "step_index", "group_id"]  # identify the rows behind each example
 MAX_EXAMPLES = 5
+NO_RETOKENIZED = "no retokenized steps"
 
 
 @dataclass(frozen=True)
@@ -49,7 +54,7 @@ class QualityLimits:
 class QualityReport:
     success: bool
     results: list[dict[str, Any]] = field(default_factory=list)
-    """One dict per expectation: expectation_type, column, success, unexpected_count, examples (<= 5)."""
+    """One dict per expectation: name, expectation_type, column, success, unexpected_count, examples (<= 5)."""
     row_count: int = 0
     message: str = ""
     """Why the gate failed before any expectation ran (e.g. no steps), else empty."""
@@ -72,7 +77,8 @@ class QualityReport:
                  f"over {self.row_count} steps"]
         for result in self.failures:
             column = f" on column '{result['column']}'" if result["column"] else ""
-            lines.append(f"- {result['expectation_type']}{column}: {result['unexpected_count']} unexpected")
+            name = f" ({result['name']})" if result.get("name") else ""
+            lines.append(f"- {result['expectation_type']}{column}{name}: {result['unexpected_count']} unexpected")
             for example in result["examples"]:
                 lines.append(f"    e.g. {', '.join(f'{k}={v}' for k, v in example.items())}")
         return "\n".join(lines)
@@ -101,6 +107,8 @@ def derive_checked_columns(df: pd.DataFrame) -> pd.DataFrame:
         "logprob_len": df["logprobs"].map(_length).astype("int64"),
         "logprobs_finite": df["logprobs"].map(_all_finite).astype(bool),
         "reward": pd.to_numeric(df["reward"], errors="coerce").astype("float64"),
+        "retokenized": (df["retokenized"].fillna(False).astype(bool) if "retokenized" in df.columns
+                        else pd.Series(False, index=df.index)),
     })
     derived["logprob_len_mismatch"] = (derived["logprob_len"] - derived["response_len"]).abs()
     # distinct trajectories per group; a row whose group_id is null gets 0 (never a valid group size)
@@ -123,6 +131,7 @@ def _suite(limits: QualityLimits) -> gx.ExpectationSuite:
         # NaN counts as missing for "between" (caught above); +-inf is outside any finite range
         gxe.ExpectColumnValuesToBeBetween(column="reward", min_value=limits.reward_min, max_value=limits.reward_max),
         gxe.ExpectColumnValuesToBeInSet(column="group_trajectories", value_set=[limits.group_size]),
+        gxe.ExpectColumnValuesToBeInSet(column="retokenized", value_set=[False], description=NO_RETOKENIZED),
     ):
         suite.add_expectation(expectation)
     return suite
@@ -171,7 +180,8 @@ def validate_steps(df: pd.DataFrame, limits: QualityLimits, *, round: int | None
     if len(df) == 0:
         where = f"round {round}" if round is not None else "this round"
         return QualityReport(success=False, row_count=0, message=f"no steps for {where}: did the rollout run?",
-                             results=[{"expectation_type": "expect_table_row_count_to_be_between", "column": None,
+                             results=[{"name": "", "expectation_type": "expect_table_row_count_to_be_between",
+                                       "column": None,
                                        "success": False, "unexpected_count": 0, "examples": []}])
     derived = derive_checked_columns(df)
 
@@ -193,6 +203,7 @@ def validate_steps(df: pd.DataFrame, limits: QualityLimits, *, round: int | None
         column = config.kwargs.get("column")
         result = item.result or {}
         results.append({
+            "name": config.description or "",
             "expectation_type": config.type,
             "column": column,
             "success": bool(item.success),

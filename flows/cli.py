@@ -8,13 +8,17 @@ from typing import Optional
 import typer
 
 from flows import dvc_sync
+from flows.gateway_cli import gateway_app
 from flows.pipeline import STAGE_FLOWS, pipeline_flow
+from flows.pool_cli import pool_app
 from flows.stages import check_stage
 from tasks.config import ParamsError, load_params
 from tasks.layout import Layout
 
 app = typer.Typer(help="arlflow: train multi-turn LLM agents with RL, as a versioned, tracked pipeline.",
                   no_args_is_help=True, pretty_exceptions_enable=False)
+app.add_typer(pool_app, name="pool")
+app.add_typer(gateway_app, name="gateway")
 
 
 def _load(root: Path):

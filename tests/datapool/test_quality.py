@@ -171,3 +171,17 @@ def test_frames_from_the_pool_and_its_parquet_export_pass(tmp_path: Path) -> Non
         assert validate_steps(df, LIMITS, round=1).success
         kept, stats = drop_zero_variance_groups(df)
         assert stats == {"groups_total": 2, "groups_dropped": 1, "steps_dropped": 6} and set(kept["group_id"]) == {"g0"}
+
+
+def test_retokenized_steps_fail_the_gate_by_default() -> None:
+    """Steps whose ids were re-derived from text fail "no retokenized steps"; frames without the column pass."""
+    df = good_frame()
+    df["retokenized"] = False
+    assert validate_steps(df, LIMITS).success
+    df.loc[3, "retokenized"] = True
+    report = validate_steps(df, LIMITS)
+    assert not report.success
+    [failure] = report.failures
+    assert failure["name"] == "no retokenized steps" and failure["unexpected_count"] == 1
+    assert failure["examples"][0]["trajectory_id"] == df.loc[3, "trajectory_id"]
+    assert "(no retokenized steps): 1 unexpected" in report.render()

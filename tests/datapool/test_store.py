@@ -1,4 +1,6 @@
-"""DataPool: round trips, idempotency, validation before writing, schema version and migration, SQLite settings."""
+"""DataPool: round trips, idempotency, validation before writing, schema version and migration, SQLite settings.
+
+Tests taking ``pool`` or ``pool_url`` (tests/datapool/conftest.py) run on SQLite and on a real PostgreSQL server."""
 from __future__ import annotations
 
 import math
@@ -32,12 +34,6 @@ def make_traj(tid: str, group: str = "g0", *, round: int = 1, env: str = "frozen
                             split=split, round=round, policy_version="v1", status="complete",
                             episode_return=episode_return, won=True, num_steps=steps, response_tokens=2 * steps,
                             wall_time_s=0.5, metadata={"seed": 3, "tags": ["a"]}, steps=records)
-
-
-@pytest.fixture
-def pool(tmp_path: Path):
-    with DataPool(f"sqlite:///{tmp_path / 'pool.db'}") as p:
-        yield p
 
 
 def test_round_trip_of_trajectories_and_steps(pool: DataPool) -> None:
@@ -128,8 +124,8 @@ def test_duplicate_id_in_one_batch_is_rejected(pool: DataPool) -> None:
     assert pool.counts()["trajectories"] == 0
 
 
-def test_schema_version_is_set_and_a_newer_one_is_refused(tmp_path: Path) -> None:
-    url = f"sqlite:///{tmp_path / 'pool.db'}"
+def test_schema_version_is_set_and_a_newer_one_is_refused(pool_url: str, tmp_path: Path) -> None:
+    url = pool_url
     with DataPool(url) as pool:
         with pool.engine.begin() as conn:
             assert conn.execute(text("SELECT version FROM schema_version")).scalars().all() == [SCHEMA_VERSION]
@@ -140,14 +136,14 @@ def test_schema_version_is_set_and_a_newer_one_is_refused(tmp_path: Path) -> Non
         assert fresh.counts() == {"trajectories": 0, "steps": 0}
 
 
-def test_sqlite_runs_in_wal_mode_with_a_busy_timeout(pool: DataPool) -> None:
-    with pool.engine.connect() as conn:
+def test_sqlite_runs_in_wal_mode_with_a_busy_timeout(tmp_path: Path) -> None:
+    with DataPool(str(tmp_path / "pool.db")) as pool, pool.engine.connect() as conn:
         assert conn.exec_driver_sql("PRAGMA journal_mode").scalar() == "wal"
         assert conn.exec_driver_sql("PRAGMA busy_timeout").scalar() == 30000
 
 
-def test_concurrent_writers_stay_idempotent(tmp_path: Path) -> None:
-    url = f"sqlite:///{tmp_path / 'pool.db'}"
+def test_concurrent_writers_stay_idempotent(pool_url: str) -> None:
+    url = pool_url
     pools = [DataPool(url), DataPool(url)]
     added = [0, 0]
 
@@ -204,7 +200,7 @@ def trajectories(draw) -> list[TrajectoryRecord]:
                 reward=draw(st.floats(allow_nan=False)), anchor=draw(st.text(max_size=8)), policy_version="v0",
                 action_valid=draw(st.booleans()), truncated=draw(st.booleans()),
                 skill_ids=draw(st.lists(st.text(max_size=6), max_size=2)), tool_calls=draw(st.integers(0, 4)),
-                tool_successes=0))
+                tool_successes=0, retokenized=draw(st.booleans())))
             steps[-1].tool_successes = draw(st.integers(0, steps[-1].tool_calls))
         out.append(TrajectoryRecord(
             trajectory_id=tid, group_id="g", scenario="{}", env="e", split="train", round=draw(st.integers(0, 5)),
@@ -229,6 +225,7 @@ def test_store_round_trips_any_valid_records(trajs: list[TrajectoryRecord]) -> N
             assert row.logprobs == [float(np.float32(x)) for x in step.logprobs]
             assert row.observation == step.observation and row.skill_ids == step.skill_ids
             assert (row.tool_calls, row.tool_successes) == (step.tool_calls, step.tool_successes)
+            assert row.retokenized == step.retokenized and row.excluded is False
             assert row.reward == step.reward or (math.isinf(row.reward) and row.reward == step.reward)
         frame = pool.trajectories_frame()
         assert sorted(frame["trajectory_id"]) == sorted(t.trajectory_id for t in trajs)
@@ -271,14 +268,16 @@ def test_a_version_1_pool_is_migrated_in_place(tmp_path: Path) -> None:
                      (encode_ids([1, 2]), encode_ids([3, 4]), encode_logprobs([-0.5, -0.25])))
     conn.close()
 
-    assert SCHEMA_VERSION == 3
-    with DataPool(str(db)) as pool:  # 1 -> 2 (tool counts) -> 3 (process reward), in one transaction
+    assert SCHEMA_VERSION == 4
+    with DataPool(str(db)) as pool:  # 1 -> 2 (tool counts) -> 3 (process reward) -> 4 (gateway), in one transaction
         with pool.engine.connect() as conn:
-            assert conn.execute(text("SELECT id, version FROM schema_version")).all() == [(1, 3)]
+            assert conn.execute(text("SELECT id, version FROM schema_version")).all() == [(1, 4)]
         old = pool.steps_frame()
         assert old["trajectory_id"].tolist() == ["old"] and old["response_ids"].tolist() == [[3, 4]]
         assert old["tool_calls"].tolist() == [0] and old["tool_successes"].tolist() == [0]
         assert old["process_reward"].tolist() == [0.0]
+        assert old["retokenized"].tolist() == [False] and old["excluded"].tolist() == [False]
+        assert pool.query_trajectories()[0]["created_at"] == 0.0  # unknown for rows older than version 4
         assert pool.add_trajectories([make_traj("new", steps=3)]) == 1
         assert pool.steps_frame()["tool_calls"].tolist() == [0, 1, 2, 0]  # "new" sorts before "old"
     with DataPool(str(db)) as again:  # opening a migrated pool is a no-op
