@@ -48,6 +48,7 @@ class _Episode:
     info: dict = field(default_factory=dict)
     turns: list[Turn] = field(default_factory=list)
     steps: list[StepRecord] = field(default_factory=list)
+    skill_tokens: int = 0          # prompt tokens the skill slot takes on each turn (cost accounting)
     status: str | None = None      # None while live
     error: str | None = None
     ended_at: float = 0.0
@@ -92,6 +93,8 @@ def run_episodes(engine: Engine, tokenizer: Any, scenarios: list[Scenario], *, g
                 _finish(ep, "failed", bar, error=f"env reset failed: {error}", alpha=process_alpha, fold=False)
             else:
                 ep.env, ep.task, ep.observation, ep.info = value
+            if ep.skills_text:
+                ep.skill_tokens = len(tokenizer.encode(ep.skills_text + "\n", add_special_tokens=False))
 
         fold = context == "fold"
         turn = 0
@@ -223,6 +226,8 @@ def summarize(trajectories: Sequence[TrajectoryRecord]) -> dict[str, float]:
                                if total_steps else 0.0),
         "invalid_action_rate": invalid / total_steps if total_steps else 0.0,
         "tool_calls_per_episode": tool_calls / n if n else 0.0,
+        "mean_skill_prompt_tokens": (sum(t.metadata.get("skill_prompt_tokens", 0) for t in trajectories) / n
+                                     if n else 0.0),
         "failed_episodes": sum(t.status == "failed" for t in trajectories),
     }
 
@@ -284,5 +289,6 @@ def _trajectory_record(ep: _Episode, round_index: int, policy_version: str, star
         wall_time_s=max(0.0, ep.ended_at - started_at), error=ep.error,
         metadata={"scenario_id": ep.scenario.scenario_id, "episode_index": ep.index, "skill_ids": ep.skill_ids,
                   "prompt_tokens": sum(len(s.prompt_ids) for s in ep.steps), "turns": len(ep.steps),
+                  "skill_prompt_tokens": ep.skill_tokens * len(ep.steps),
                   "context_manager": ep.steps[0].context_manager if ep.steps else ""},
         steps=ep.steps)

@@ -10,6 +10,7 @@ import torch
 from datapool.filters import FILTERS, FilterConfig, apply_filters
 from datapool.parquet import read_steps
 from models.advantages import ADVANTAGES, AdvantageConfig, StepBatch, add_process_advantages
+from models.skill_advantages import SKILL_ADVANTAGES
 from models.aux_losses import AUX_LOSSES, AuxConfig
 from models.build import load_policy, save_policy
 from models.layouts import concatenated
@@ -27,6 +28,10 @@ from tasks.tracking import log_metrics, register_policy
 def check_names(cfg: TrainConfig) -> None:
     """Unknown registry names fail before any work, listing the valid ones."""
     ADVANTAGES[cfg.advantage]
+    if cfg.advantage in SKILL_ADVANTAGES:
+        raise ValueError(f"train.advantage {cfg.advantage!r} needs rollouts split into skill and skill-free halves (a "
+                         "`skill_used` step column), which the rollout stage does not produce yet; use grpo, gigpo "
+                         "or another estimator for now")
     LOSSES[cfg.loss]
     for name in cfg.filters:
         FILTERS[name]

@@ -133,3 +133,20 @@ def test_openai_tool_calls_replay_on_search_qa(tokenizer):
     steps = [s for t in trajectories for s in t.steps]
     assert all(s.tool_calls == 1 for s in steps) and sum(s.tool_successes for s in steps) >= len(steps) - 1
     assert summarize(trajectories)["tool_calls_per_episode"] == pytest.approx(len(steps) / 5)
+
+
+def test_skill_slot_token_cost_is_counted_per_step(tokenizer):
+    scenarios = make_scenarios("sokoban", "train", 2, seed=4)
+    skills = "Skill: push the box toward the target, never into a corner."
+    per_step = len(tokenizer.encode(skills + "\n", add_special_tokens=False))
+    with_skills = run_episodes(RandomWordsEngine(tokenizer), tokenizer, scenarios, group_size=2, sampling=SAMPLING,
+                               progress=False, skills_for=lambda s: (skills, ["push-box"]),
+                               env_kwargs={"sokoban": {"max_steps": 3}})
+    for traj in with_skills:
+        assert traj.metadata["skill_prompt_tokens"] == per_step * traj.num_steps
+        assert all(s.prompt_text.startswith(skills) and s.skill_ids == ["push-box"] for s in traj.steps)
+    summary = summarize(with_skills)
+    assert summary["mean_skill_prompt_tokens"] == pytest.approx(sum(per_step * t.num_steps for t in with_skills) / 4)
+    plain = run_episodes(RandomWordsEngine(tokenizer), tokenizer, scenarios, group_size=2, sampling=SAMPLING,
+                         progress=False, env_kwargs={"sokoban": {"max_steps": 3}})
+    assert summarize(plain)["mean_skill_prompt_tokens"] == 0.0

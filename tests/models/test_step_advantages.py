@@ -12,12 +12,14 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import models.skill_advantages  # noqa: F401  (registers skillc and d2skill, whatever the test import order)
 from models.advantages import (
     ADVANTAGES, GRPO_EPS, AdvantageConfig, StepBatch, add_process_advantages, broadcast_rows,
     compute_gigpo_advantages, compute_grpo_advantages,
 )
 
-NAMES = ["dr_grpo", "gigpo", "graphgpo", "grpo", "reinforce_pp", "reinforce_pp_baseline", "rloo", "turn_level"]
+NAMES = ["d2skill", "dr_grpo", "gigpo", "graphgpo", "grpo", "reinforce_pp", "reinforce_pp_baseline", "rloo", "skillc",
+         "turn_level"]
 TOKEN_LEVEL = {"reinforce_pp", "reinforce_pp_baseline"}
 SQ2, SQ3 = math.sqrt(2.0), math.sqrt(3.0)
 
@@ -220,6 +222,8 @@ def reference(name, rows, cfg):
         return tokens, per_row
     if name in ("grpo", "dr_grpo", "rloo"):
         values = trajectory_outcome(name, rows, cfg)
+    elif name in ("skillc", "d2skill"):  # a plain StepBatch carries no skill flags: both are exactly GRPO
+        values = trajectory_outcome("grpo", rows, cfg)
     elif name == "gigpo":
         step_return = [s - penalty(r, cfg) for s, r in zip(discounted([r["reward"] for r in rows], rows, cfg.gamma),
                                                            rows)]
