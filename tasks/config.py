@@ -24,6 +24,7 @@ class ParamsError(ValueError):
     """params.yaml is malformed: the message says which section/key and what is valid."""
 
 
+MINE_METHODS: tuple[str, ...] = ("frequent", "mdl")
 FROZENLAKE_DEFAULTS: dict[str, Any] = {"size": 4, "p_frozen": 0.8, "max_steps": 12, "is_slippery": False,
                                        "invalid_penalty": 0.1}
 
@@ -127,10 +128,15 @@ class ValidateConfig:
 
 @dataclass(frozen=True)
 class MineConfig:
+    method: str = "frequent"
+    """frequent: action sub-sequences by support (min_length..max_length, min_support, top_k); mdl: slot-abstracted
+    macros chosen by minimum description length (skills/mdl.py; max_length, min_count, top_k)."""
     min_length: int = 2
     max_length: int = 4
     min_support: float = 0.2
     top_k: int = 5
+    min_count: int = 2
+    """mdl: a macro must occur at least this many times."""
 
 
 @dataclass(frozen=True)
@@ -328,6 +334,8 @@ def check_env_params(params: Params) -> None:
             ENVS[name](**kwargs)
         except (TypeError, ValueError) as err:
             raise ParamsError(f"params.yaml: env.kwargs.{name} is not accepted by the env: {err}") from err
+    if params.mine.method not in MINE_METHODS:
+        raise ParamsError(f"params.yaml: mine.method must be one of {list(MINE_METHODS)}, got {params.mine.method!r}")
     if params.rollout.context not in CONTEXT_MANAGERS:
         raise ParamsError(f"params.yaml: rollout.context must be one of {sorted(CONTEXT_MANAGERS)}, got "
                           f"{params.rollout.context!r}")
