@@ -27,7 +27,18 @@ from envs.base import ENVS, Scenario, TextEnv, make_scenario_env
 from envs.scenarios import expert_steps
 from models.engine import Engine, Generation, SamplingParams
 
-SkillsFor = Callable[[Scenario], tuple[str, list[str]]]  # scenario -> (skills text for the prompt, skill ids)
+@dataclass(frozen=True)
+class SkillQuery:
+    """What a skill slot may ground its retrieval on: the episode's scenario and task, the current observation and
+    the turn (0 at reset)."""
+
+    scenario: Scenario
+    task: str
+    observation: str
+    turn: int
+
+
+SkillsFor = Callable[[SkillQuery], tuple[str, list[str]]]  # query -> (skills text for the prompt, skill ids)
 EnvKwargs = Mapping[str, Mapping[str, Any]]               # env name -> constructor kwargs
 
 
@@ -48,7 +59,8 @@ class _Episode:
     info: dict = field(default_factory=dict)
     turns: list[Turn] = field(default_factory=list)
     steps: list[StepRecord] = field(default_factory=list)
-    skill_tokens: int = 0          # prompt tokens the skill slot takes on each turn (cost accounting)
+    skill_tokens: int = 0          # prompt tokens the skill slot takes on the current turn (cost accounting)
+    skill_tokens_total: int = 0    # summed over the episode's turns
     status: str | None = None      # None while live
     error: str | None = None
     ended_at: float = 0.0
@@ -58,7 +70,7 @@ def run_episodes(engine: Engine, tokenizer: Any, scenarios: list[Scenario], *, g
                  sampling: SamplingParams, round_index: int = 0, context: str = "window", history_turns: int = 0,
                  process_alpha: float = 0.1, skills_for: SkillsFor | None = None, env_kwargs: EnvKwargs | None = None,
                  step_timeout_s: float = 10.0, workers: int = 4, progress: bool = True, seed: int = 0,
-                 max_turns: int = 256) -> list[TrajectoryRecord]:
+                 max_turns: int = 256, skills_per_step: bool = False) -> list[TrajectoryRecord]:
     """Run ``group_size`` episodes of every scenario with ``engine``; one TrajectoryRecord per episode.
 
     Records come back in (scenario, episode index) order. ``context`` names the context manager and
@@ -66,7 +78,8 @@ def run_episodes(engine: Engine, tokenizer: Any, scenarios: list[Scenario], *, g
     +-``process_alpha`` on its closing step. ``env_kwargs`` maps env name -> constructor kwargs (scenarios may mix
     envs). ``sampling.seed`` (or ``seed`` when it is None) seeds a per-turn seed derived from (base seed, round,
     turn), so a rerun with the same inputs samples the same tokens. ``max_turns`` is a safety stop for envs that
-    never truncate: episodes still live then end as ``"truncated"``.
+    never truncate: episodes still live then end as ``"truncated"``. ``skills_for`` fills the prompt's skill slot
+    from a SkillQuery at reset, and again every turn with ``skills_per_step``.
     """
     if group_size < 1:
         raise ValueError(f"group_size must be >= 1, got {group_size}")
@@ -79,11 +92,10 @@ def run_episodes(engine: Engine, tokenizer: Any, scenarios: list[Scenario], *, g
 
     episodes: list[_Episode] = []
     for scenario in scenarios:
-        skills_text, skill_ids = skills_for(scenario) if skills_for else ("", [])
         group_id = f"{scenario.scenario_id}|r{round_index}|{policy_version}"
         episodes.extend(_Episode(scenario=scenario, index=i, group_id=group_id, trajectory_id=f"{group_id}|{i}",
-                                 skills_text=skills_text, skill_ids=list(skill_ids),
-                                 template=template_for(scenario.env)) for i in range(group_size))
+                                 skills_text="", skill_ids=[], template=template_for(scenario.env))
+                        for i in range(group_size))
 
     with tqdm(total=len(episodes), desc=f"rollout r{round_index}", unit="ep", disable=not progress) as bar:
         resets = call_all([partial(_start_episode, ep.scenario, kwargs_by_env.get(ep.scenario.env, {}))
@@ -93,8 +105,6 @@ def run_episodes(engine: Engine, tokenizer: Any, scenarios: list[Scenario], *, g
                 _finish(ep, "failed", bar, error=f"env reset failed: {error}", alpha=process_alpha, fold=False)
             else:
                 ep.env, ep.task, ep.observation, ep.info = value
-            if ep.skills_text:
-                ep.skill_tokens = len(tokenizer.encode(ep.skills_text + "\n", add_special_tokens=False))
 
         fold = context == "fold"
         turn = 0
@@ -104,6 +114,9 @@ def run_episodes(engine: Engine, tokenizer: Any, scenarios: list[Scenario], *, g
                 for ep in live:
                     _finish(ep, "truncated", bar, error=None, alpha=process_alpha, fold=fold)
                 break
+            if skills_for is not None and (turn == 0 or skills_per_step):
+                for ep in live:
+                    _fill_skill_slot(ep, skills_for, turn, tokenizer)
             prompts = [render_prompt(ep.template, ep.task, manager(ep.turns, history_turns), ep.observation,
                                      admissible=ep.info.get("admissible_actions") or (), skills_text=ep.skills_text)
                        for ep in live]
@@ -130,6 +143,7 @@ def run_episodes(engine: Engine, tokenizer: Any, scenarios: list[Scenario], *, g
                 ep.turns.append(Turn(ep.observation, text, shown, ep.info.get("subgoals_done")))
                 ep.steps.append(_step_record(ep, ids, gen, prompt, text, action if valid else "", float(reward),
                                              valid, policy_version, context, info))
+                ep.skill_tokens_total += ep.skill_tokens
                 ep.observation, ep.info = obs, info
                 if terminated or truncated:
                     _finish(ep, "complete" if terminated else "truncated", bar, error=None, alpha=process_alpha,
@@ -165,7 +179,8 @@ def env_action(text: str, info: dict, template: PromptTemplate, *, fold: bool = 
 def expert_demonstrations(tokenizer: Any, scenarios: list[Scenario], *, context: str = "window",
                           history_turns: int = 0, skills_for: SkillsFor | None = None,
                           env_kwargs: EnvKwargs | None = None, require_win: bool = True,
-                          tool_format: str = "text") -> list[tuple[list[int], list[int]]]:
+                          tool_format: str = "text", skills_per_step: bool = False
+                          ) -> list[tuple[list[int], list[int]]]:
     """(prompt ids, response ids) per expert step of every scenario, for warm-start SFT.
 
     Prompts are built exactly as in ``run_episodes``; a response is ``" " + action`` followed by eos (with fold,
@@ -179,7 +194,7 @@ def expert_demonstrations(tokenizer: Any, scenarios: list[Scenario], *, context:
     pairs: list[tuple[list[int], list[int]]] = []
     for prompt, response in expert_texts(scenarios, context=context, history_turns=history_turns,
                                          skills_for=skills_for, env_kwargs=env_kwargs, require_win=require_win,
-                                         tool_format=tool_format):
+                                         tool_format=tool_format, skills_per_step=skills_per_step):
         pairs.append((tokenizer.encode(prompt, add_special_tokens=False),
                       tokenizer.encode(response, add_special_tokens=False) + [eos]))
     return pairs
@@ -187,17 +202,21 @@ def expert_demonstrations(tokenizer: Any, scenarios: list[Scenario], *, context:
 
 def expert_texts(scenarios: Sequence[Scenario], *, context: str = "window", history_turns: int = 0,
                  skills_for: SkillsFor | None = None, env_kwargs: EnvKwargs | None = None,
-                 require_win: bool = True, tool_format: str = "text") -> list[tuple[str, str]]:
+                 require_win: bool = True, tool_format: str = "text", skills_per_step: bool = False
+                 ) -> list[tuple[str, str]]:
     """(prompt text, response text) per expert step: what ``expert_demonstrations`` tokenizes."""
     manager = get_context_manager(context)
     kwargs_by_env = _check_env_kwargs(env_kwargs)
     out: list[tuple[str, str]] = []
     for scenario in scenarios:
         template = template_for(scenario.env)
-        skills_text, _ = skills_for(scenario) if skills_for else ("", [])
+        skills_text = ""
         turns: list[Turn] = []
         open_index: int | None = None
-        for step in expert_steps(scenario, require_win=require_win, **kwargs_by_env.get(scenario.env, {})):
+        for turn, step in enumerate(expert_steps(scenario, require_win=require_win,
+                                                 **kwargs_by_env.get(scenario.env, {}))):
+            if skills_for is not None and (turn == 0 or skills_per_step):
+                skills_text, _ = skills_for(SkillQuery(scenario, step.task, step.observation, turn))
             prompt = render_prompt(template, step.task, manager(turns, history_turns), step.observation,
                                    admissible=step.info.get("admissible_actions") or (), skills_text=skills_text)
             response = response_text(step.action, tool_format=tool_format, template=template)
@@ -249,6 +268,13 @@ def _start_episode(scenario: Scenario, env_kwargs: dict) -> tuple[TextEnv, str, 
     return env, env.task_description(), obs, info
 
 
+def _fill_skill_slot(ep: _Episode, skills_for: SkillsFor, turn: int, tokenizer: Any) -> None:
+    text, ids = skills_for(SkillQuery(ep.scenario, ep.task, ep.observation, turn))
+    if text != ep.skills_text:
+        ep.skill_tokens = len(tokenizer.encode(text + "\n", add_special_tokens=False)) if text else 0
+    ep.skills_text, ep.skill_ids = text, list(ids)
+
+
 def _turn_seed(base: int, round_index: int, turn: int) -> int:
     """A 31-bit seed for one turn's generate call, decorrelated across (base, round, turn)."""
     return int(np.random.SeedSequence([int(base), int(round_index), int(turn)]).generate_state(1)[0] & 0x7FFFFFFF)
@@ -289,6 +315,6 @@ def _trajectory_record(ep: _Episode, round_index: int, policy_version: str, star
         wall_time_s=max(0.0, ep.ended_at - started_at), error=ep.error,
         metadata={"scenario_id": ep.scenario.scenario_id, "episode_index": ep.index, "skill_ids": ep.skill_ids,
                   "prompt_tokens": sum(len(s.prompt_ids) for s in ep.steps), "turns": len(ep.steps),
-                  "skill_prompt_tokens": ep.skill_tokens * len(ep.steps),
+                  "skill_prompt_tokens": ep.skill_tokens_total,
                   "context_manager": ep.steps[0].context_manager if ep.steps else ""},
         steps=ep.steps)

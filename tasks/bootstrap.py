@@ -35,7 +35,7 @@ def tokenizer_corpus(scenarios: list[Scenario], params: Params, seed: int,
         if rng.random() < 0.5:
             try:
                 pairs = expert_texts([scenario], require_win=False, tool_format=params.rollout.tool_format,
-                                     skills_for=lambda _s, text=skills_text: (text, []), **options)
+                                     skills_for=lambda _query, text=skills_text: (text, []), **options)
                 texts.extend(prompt + response for prompt, response in pairs)
                 continue
             except ValueError:  # no expert for this env or scenario: random play below

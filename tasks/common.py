@@ -5,13 +5,12 @@ import json
 import os
 import random
 import tempfile
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from agents.rollout import run_episodes, summarize
+from agents.rollout import SkillQuery, SkillsFor, run_episodes, summarize
 from datapool.records import TrajectoryRecord
 from envs.base import Scenario
 from envs.textworld_cooking import TextWorldCooking, generate_games
@@ -19,7 +18,8 @@ from models.build import load_policy
 from models.engine import SamplingParams
 from models.hf_engine import TransformersEngine
 from skills.bank import Skill, load_bank
-from skills.retrieval import render_skills, select_skills
+from skills.embeddings import CachedEmbedder, TfidfEmbedder
+from skills.retrieval import SkillRetriever, render_skills, skill_text
 from tasks.config import Params
 from tasks.layout import Layout, require
 
@@ -96,13 +96,18 @@ def load_engine(path: Path, policy_version: str, produced_by: str) -> Transforme
     return TransformersEngine(model, tokenizer, policy_version=policy_version)
 
 
-def skill_slot(skills: list[Skill], k: int) -> Callable[[Scenario], tuple[str, list[str]]] | None:
-    """Per-scenario skill retrieval for the prompt's skill slot (None when the bank is empty)."""
-    if not skills or k <= 0:
+def skill_slot(skills: list[Skill], params: Params) -> SkillsFor | None:
+    """State-grounded skill retrieval for the prompt's skill slot (None when the bank is empty or skills_k is 0):
+    TF-IDF over the bank's skills, score = alpha*cos(task) + (1-alpha)*cos(observation), MMR, the embedder's floor
+    (skills/retrieval.py). The rollout loop asks at reset, and every turn with evaluate.skills_per_step."""
+    cfg = params.evaluate
+    if not skills or cfg.skills_k <= 0:
         return None
+    retriever = SkillRetriever(skills, CachedEmbedder(TfidfEmbedder([skill_text(s) for s in skills])),
+                               alpha=cfg.skills_alpha, k=cfg.skills_k)
 
-    def skills_for(scenario: Scenario) -> tuple[str, list[str]]:
-        chosen = select_skills(skills, f"{scenario.env} {scenario.split}", k=k)
+    def skills_for(query: SkillQuery) -> tuple[str, list[str]]:
+        chosen = [skill for skill, _ in retriever.retrieve(query.task, query.observation)]
         return render_skills(chosen), [s.name for s in chosen]
 
     return skills_for
@@ -123,7 +128,8 @@ def evaluate_policy(engine: TransformersEngine, scenarios: list[Scenario], param
     trajectories = run_episodes(engine, engine.tokenizer, scenarios, group_size=1, sampling=sampling,
                                 round_index=0, **episode_options(params, layout),
                                 process_alpha=params.rollout.process_alpha,
-                                skills_for=skill_slot(skills or [], params.evaluate.skills_k),
+                                skills_for=skill_slot(skills or [], params),
+                                skills_per_step=params.evaluate.skills_per_step,
                                 step_timeout_s=params.rollout.step_timeout_s,
                                 progress=bool(label), seed=params.pipeline.seed)
     summary = summarize(trajectories)

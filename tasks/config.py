@@ -198,6 +198,11 @@ class EvaluateConfig:
     temperature: float = 0.0
     """0 = greedy decoding on held-out scenarios."""
     skills_k: int = 1
+    """Skills put in the prompt's skill slot (rollout and evaluation); 0 = none."""
+    skills_alpha: float = 0.5
+    """Retrieval score alpha*cos(skill, task) + (1-alpha)*cos(skill, observation) (ALGORITHMS.md section 9)."""
+    skills_per_step: bool = False
+    """Re-retrieve skills every turn from the current observation; False = once per episode, at reset."""
 
 
 @dataclass(frozen=True)

@@ -84,7 +84,8 @@ def run(params: Params, layout: Layout, round_index: int) -> dict[str, Any]:
         new = run_episodes(engine, engine.tokenizer, batch, group_size=cfg.group_size,
                            sampling=replace(sampling, seed=seed + 7919 * (batches - 1)),
                            round_index=round_index, **episode_options(params, layout),
-                           process_alpha=cfg.process_alpha, skills_for=skill_slot(skills, params.evaluate.skills_k),
+                           process_alpha=cfg.process_alpha, skills_for=skill_slot(skills, params),
+                           skills_per_step=params.evaluate.skills_per_step,
                            step_timeout_s=cfg.step_timeout_s, seed=seed + 7919 * (batches - 1))
         informative += count_informative_groups(new)
         trajectories += new

@@ -140,7 +140,7 @@ def test_skill_slot_token_cost_is_counted_per_step(tokenizer):
     skills = "Skill: push the box toward the target, never into a corner."
     per_step = len(tokenizer.encode(skills + "\n", add_special_tokens=False))
     with_skills = run_episodes(RandomWordsEngine(tokenizer), tokenizer, scenarios, group_size=2, sampling=SAMPLING,
-                               progress=False, skills_for=lambda s: (skills, ["push-box"]),
+                               progress=False, skills_for=lambda query: (skills, ["push-box"]),
                                env_kwargs={"sokoban": {"max_steps": 3}})
     for traj in with_skills:
         assert traj.metadata["skill_prompt_tokens"] == per_step * traj.num_steps
@@ -150,3 +150,23 @@ def test_skill_slot_token_cost_is_counted_per_step(tokenizer):
     plain = run_episodes(RandomWordsEngine(tokenizer), tokenizer, scenarios, group_size=2, sampling=SAMPLING,
                          progress=False, env_kwargs={"sokoban": {"max_steps": 3}})
     assert summarize(plain)["mean_skill_prompt_tokens"] == 0.0
+
+
+def test_skill_slot_is_asked_at_reset_or_every_turn_with_the_current_observation(tokenizer):
+    scenarios = make_scenarios("sokoban", "train", 1, seed=6)
+    for per_step in (False, True):
+        queries = []
+
+        def skills_for(query):
+            queries.append(query)
+            return f"Skill for turn {query.turn}.", [f"s{query.turn}"]
+
+        (traj,) = run_episodes(RandomWordsEngine(tokenizer), tokenizer, scenarios, group_size=1, sampling=SAMPLING,
+                               progress=False, skills_for=skills_for, skills_per_step=per_step,
+                               env_kwargs={"sokoban": {"max_steps": 3}})
+        assert [q.turn for q in queries] == (list(range(traj.num_steps)) if per_step else [0])
+        assert all(q.scenario == scenarios[0] and q.task and q.observation == s.observation
+                   for q, s in zip(queries, traj.steps))
+        expected = [f"s{i}" if per_step else "s0" for i in range(traj.num_steps)]
+        assert [s.skill_ids[0] for s in traj.steps] == expected
+        assert all(s.prompt_text.startswith(f"Skill for turn {int(e[1:])}.") for s, e in zip(traj.steps, expected))

@@ -133,7 +133,7 @@ def test_history_window_and_skills_in_prompts(tokenizer):
     scenarios = make_scenarios("frozenlake", "train", 2, seed=5)
     engine = FakeEngine(tokenizer, oracle)
     trajs = run_episodes(engine, tokenizer, scenarios, group_size=1, sampling=SAMPLING, history_turns=1,
-                         skills_for=lambda s: ("Skill: walk around holes.", ["walk@1"]), progress=False)
+                         skills_for=lambda query: ("Skill: walk around holes.", ["walk@1"]), progress=False)
     for t in trajs:
         first, second = t.steps[0], t.steps[1]
         assert first.prompt_text.startswith("Skill: walk around holes.\nTask: ")

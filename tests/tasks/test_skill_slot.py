@@ -1,0 +1,21 @@
+"""The stages' skill slot: state-grounded retrieval over the round's bank, asked with the episode's query."""
+from agents.rollout import SkillQuery
+from envs.base import Scenario
+from skills.bank import Skill
+from tasks.common import skill_slot
+from tasks.config import parse_params
+
+HOLE = Skill(name="avoid-holes", when_to_use="When a hole H is next to you.", procedure="Step around the hole.")
+GOAL = Skill(name="finish-goal", when_to_use="When the goal G is one step away.", procedure="Step onto the goal.")
+SCENARIO = Scenario(env="frozenlake", seed=1, split="train")
+
+
+def test_the_observation_picks_the_skill_and_k_zero_or_an_empty_bank_gives_no_slot():
+    slot = skill_slot([HOLE, GOAL], parse_params({"evaluate": {"skills_k": 1, "skills_alpha": 0.3}}))
+    task = "Reach the goal without stepping on a hole."
+    text, ids = slot(SkillQuery(SCENARIO, task, "a hole H is right next to you", 0))
+    assert ids == ["avoid-holes"] and "Step around the hole." in text
+    text, ids = slot(SkillQuery(SCENARIO, task, "the goal G is one step away", 3))
+    assert ids == ["finish-goal"]
+    assert skill_slot([HOLE, GOAL], parse_params({"evaluate": {"skills_k": 0}})) is None
+    assert skill_slot([], parse_params({})) is None
