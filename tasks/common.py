@@ -104,7 +104,7 @@ def skill_slot(skills: list[Skill], params: Params) -> SkillsFor | None:
     if not skills or cfg.skills_k <= 0:
         return None
     retriever = SkillRetriever(skills, CachedEmbedder(TfidfEmbedder([skill_text(s) for s in skills])),
-                               alpha=cfg.skills_alpha, k=cfg.skills_k)
+                               alpha=cfg.skills_alpha, k=cfg.skills_k, floor=cfg.skills_floor)
 
     def skills_for(query: SkillQuery) -> tuple[str, list[str]]:
         chosen = [skill for skill, _ in retriever.retrieve(query.task, query.observation)]

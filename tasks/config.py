@@ -203,6 +203,9 @@ class EvaluateConfig:
     """Retrieval score alpha*cos(skill, task) + (1-alpha)*cos(skill, observation) (ALGORITHMS.md section 9)."""
     skills_per_step: bool = False
     """Re-retrieve skills every turn from the current observation; False = once per episode, at reset."""
+    skills_floor: float = 0.0
+    """Least relevance a retrieved skill needs. 0 always fills the slot with the best k; raise it (e.g. 0.1 for
+    TF-IDF, 0.3 for MiniLM) to leave the slot empty when nothing in the bank matches."""
 
 
 @dataclass(frozen=True)

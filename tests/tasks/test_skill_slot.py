@@ -19,3 +19,9 @@ def test_the_observation_picks_the_skill_and_k_zero_or_an_empty_bank_gives_no_sl
     assert ids == ["finish-goal"]
     assert skill_slot([HOLE, GOAL], parse_params({"evaluate": {"skills_k": 0}})) is None
     assert skill_slot([], parse_params({})) is None
+
+
+def test_the_floor_leaves_the_slot_empty_when_nothing_matches():
+    query = SkillQuery(SCENARIO, "Sort the numbers.", "7 3 9", 0)
+    assert skill_slot([HOLE, GOAL], parse_params({}))(query)[1] != []  # floor 0: the best skill is always shown
+    assert skill_slot([HOLE, GOAL], parse_params({"evaluate": {"skills_floor": 0.1}}))(query) == ("", [])
