@@ -23,7 +23,7 @@ from agents.templates import PromptTemplate, render_prompt, response_text, templ
 from agents.tools import parse_tool_call
 from agents.workers import call_all
 from datapool.records import StepRecord, TrajectoryRecord
-from envs.base import ENVS, Scenario, TextEnv, make_scenario_env
+from envs.base import ENVS, Scenario, TextEnv, close_env, make_scenario_env
 from envs.scenarios import expert_steps
 from models.engine import Engine, Generation, SamplingParams
 
@@ -297,12 +297,10 @@ def _finish(ep: _Episode, status: str, bar: tqdm, *, error: str | None, alpha: f
     if fold and ep.turns:
         for step, process_reward in zip(ep.steps, fold_process_rewards(ep.turns, alpha)):
             step.process_reward = process_reward
-    close = getattr(ep.env, "close", None)
-    if callable(close):
-        try:
-            close()
-        except Exception as err:  # noqa: BLE001  (a failing close must not lose the episode's data)
-            ep.error = (ep.error + "; " if ep.error else "") + f"env close failed: {type(err).__name__}: {err}"
+    try:
+        close_env(ep.env)
+    except Exception as err:  # noqa: BLE001  (a failing close must not lose the episode's data)
+        ep.error = (ep.error + "; " if ep.error else "") + f"env close failed: {type(err).__name__}: {err}"
     bar.update(1)
 
 

@@ -23,7 +23,7 @@ import torch
 
 import envs  # noqa: F401  (registers every env)
 from agents.rollout import expert_texts, run_episodes, summarize
-from envs.base import ENVS, make_scenario_env
+from envs.base import ENVS, close_env, make_scenario_env
 from envs.scenarios import expert_steps, make_scenarios
 from models.build import build_model, train_tokenizer
 from models.engine import SamplingParams
@@ -45,7 +45,7 @@ def expert_success(scenarios) -> tuple[float | None, float]:
         for step in steps:
             _, _, _, _, info = env.step(step.action)
         wins += bool(info.get("won"))
-        getattr(env, "close", lambda: None)()
+        close_env(env)
     return wins / len(scenarios), sum(lengths) / len(lengths)
 
 
@@ -67,7 +67,7 @@ def random_success(scenarios, seed: int) -> tuple[float | None, float]:
             obs, _, terminated, truncated, info = env.step(action)
             done = terminated or truncated
         wins += bool(info.get("won"))
-        getattr(env, "close", lambda: None)()
+        close_env(env)
     return (None if free_form else wins / len(scenarios)), obs_chars / max(observations, 1)
 
 

@@ -103,6 +103,13 @@ def make_env(name: str, **kwargs: Any) -> TextEnv:
     return ENVS[name](**kwargs)
 
 
+def close_env(env: Any) -> None:
+    """Release an env's resources (temp dirs, game interpreters) if it has a ``close()``; a no-op otherwise."""
+    close = getattr(env, "close", None)
+    if callable(close):
+        close()
+
+
 def make_scenario_env(scenario: Scenario, **env_kwargs: Any) -> tuple[TextEnv, str, dict]:
     """Build the env of a scenario and reset it on the scenario's seed: (env, first observation, info)."""
     env = make_env(scenario.env, **env_kwargs)

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from envs.base import ENVS, Scenario, make_scenario_env
+from envs.base import ENVS, Scenario, close_env, make_scenario_env
 
 SPLITS: tuple[str, ...] = ("train", "heldout")
 SPLIT_SEED_RANGE = 2**31
@@ -71,9 +71,7 @@ def expert_steps(scenario: Scenario, *, require_win: bool = True, **env_kwargs: 
             obs, _, terminated, truncated, info = env.step(action)
             done = terminated or truncated
     finally:
-        close = getattr(env, "close", None)
-        if callable(close):
-            close()
+        close_env(env)
     if require_win and not info.get("won", False):
         raise ValueError(f"the expert did not win scenario {scenario.scenario_id} in {len(steps)} steps "
                          f"(env kwargs {env_kwargs}): raise max_steps, use a non-slippery env, or pass "

@@ -9,7 +9,7 @@ from typing import Any
 from agents.context import ContextView
 from agents.rollout import expert_texts
 from agents.templates import render_prompt, response_text, template_for
-from envs.base import Scenario, make_scenario_env
+from envs.base import Scenario, close_env, make_scenario_env
 from envs.scenarios import make_scenarios
 from models.build import build_model, count_parameters, load_policy, save_policy, train_tokenizer
 from skills.bank import Skill
@@ -25,9 +25,9 @@ def tokenizer_corpus(scenarios: list[Scenario], params: Params, seed: int,
     episodes (the rest), rendered as the rollout renders them, some with a skill slot."""
     rng = random.Random(seed)
     texts: list[str] = []
+    options = {"context": params.rollout.context, "history_turns": params.rollout.history_turns,
+               "env_kwargs": env_kwargs_by_env}
     for scenario in scenarios:
-        options = {"context": params.rollout.context, "history_turns": params.rollout.history_turns,
-                   "env_kwargs": env_kwargs_by_env}
         skills_text = ""
         if rng.random() < 0.5:
             macro = tuple(rng.choice(("left", "right", "up", "down", "look", "open")) for _ in range(rng.randint(2, 4)))
@@ -61,9 +61,7 @@ def random_play_texts(scenario: Scenario, rng: random.Random, skills_text: str, 
             if terminated or truncated:
                 break
     finally:
-        close = getattr(env, "close", None)
-        if callable(close):
-            close()
+        close_env(env)
     return texts
 
 
