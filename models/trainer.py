@@ -35,6 +35,7 @@ from models.ds_engine import (  # noqa: F401 - re-exported: callers import the e
     DEEPSPEED_CONFIG_DIR, LR_SCHEDULES, PRECISIONS, LrSchedule, build_ds_config, ensure_single_process_env,
     full_weights, load_ds_config, make_ds_engine, resolve_precision,
 )
+from models.internalize import check_token_weights, weighted_sft_loss
 from models.layouts import RowSpec, collate_rows
 from models.losses import AGGREGATIONS, LOSSES, aggregate, masked_token_mean, policy_objective, sft_loss
 
@@ -757,19 +758,27 @@ def sft_update(
     progress: bool = True,
     mini_batch_size: int | None = None,
     token_budget: int | None = None,
+    weights: list[float | list[float]] | None = None,
 ) -> dict[str, float]:
     """Supervised fine-tuning on (prompt_ids, response_ids) pairs; only response tokens are trained.
 
     Steps as in rl_update: one optimizer step per mini-batch (default engine.train_batch_size() pairs), token-mean
-    cross-entropy over the mini-batch. Returns loss_first / loss_last (first and last micro-batch of this rank),
-    loss_first_epoch / loss_last_epoch (epoch means), updates (optimizer steps) and tokens_per_s.
+    cross-entropy over the mini-batch. `weights` (one entry per pair: a number for all its response tokens, or one
+    per response token; finite, >= 0) turn it into -sum_t w_t log pi(a_t) / (response tokens in the mini-batch),
+    the same normalization, so weights of 1 train exactly as None; SIRI internalization uses this
+    (models/internalize.py). Returns loss_first / loss_last (first and last micro-batch of this rank),
+    loss_first_epoch / loss_last_epoch (epoch means), updates (optimizer steps), tokens_per_s and weighted_tokens
+    (response tokens with a weight > 0, over all pairs).
     """
     if not pairs:
         raise ValueError("sft_update got no pairs")
     if epochs < 1:
         raise ValueError(f"epochs must be >= 1, got {epochs}")
+    token_weights = check_token_weights(weights, pairs) if weights is not None else [1.0] * len(pairs)
     started = time.perf_counter()
-    batch = collate([TrainRow(p, r, None, 0.0) for p, r in pairs], pad_id)
+    # the weights ride in the rows' advantage slot: collate spreads them over the response tokens, 0 elsewhere
+    batch = collate([TrainRow(p, r, None, w) for (p, r), w in zip(pairs, token_weights)], pad_id)
+    weighted_tokens = float(((batch["advantages"] > 0) & batch["response_mask"].bool()).sum())
     lengths = batch["attention_mask"].sum(dim=1).tolist()
     mini_size = mini_batch_size or engine.train_batch_size()
     rng = random.Random(seed)
@@ -778,7 +787,11 @@ def sft_update(
     updates, tokens = 0, 0
 
     def loss_of(part: dict[str, Tensor]) -> tuple[Tensor, dict[str, float]]:
-        value = sft_loss(_next_token_logits(engine, part), part["target_ids"], part["response_mask"])
+        logits = _next_token_logits(engine, part)
+        if weights is None:
+            value = sft_loss(logits, part["target_ids"], part["response_mask"])
+        else:
+            value = weighted_sft_loss(logits, part["target_ids"], part["response_mask"], part["advantages"])
         return value, {"loss": float(value.detach())}
 
     with tqdm(total=epochs * math.ceil(len(pairs) / mini_size), desc="sft", unit="step", disable=not progress) as bar:
@@ -809,4 +822,5 @@ def sft_update(
         "loss_last_epoch": sum(last) / len(last),
         "updates": float(updates),
         "tokens_per_s": tokens / max(time.perf_counter() - started, 1e-9),
+        "weighted_tokens": weighted_tokens,
     }
