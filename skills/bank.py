@@ -31,6 +31,8 @@ import yaml
 SKILL_FILE = "SKILL.md"
 CHANGELOG_FILE = "CHANGELOG.md"
 REJECTED_DIR = "rejected"  # candidates that failed validation, kept with their evidence (skills/lifecycle.py)
+CANDIDATES_DIR = "candidates"  # mined candidates waiting for validation (skills/lifecycle.py)
+RESERVED_DIRS = (REJECTED_DIR, CANDIDATES_DIR)
 FRONT_MATTER_DELIMITER = "---"
 REQUIRED_KEYS: tuple[str, ...] = ("name", "when_to_use", "version")
 OPTIONAL_KEYS: tuple[str, ...] = ("parent", "provenance", "stats", "macro")
@@ -48,8 +50,8 @@ class SkillFormatError(ValueError):
 
 def validate_skill_name(name: str) -> str:
     """Return ``name`` if it is a safe folder name (``[a-z0-9][a-z0-9-_]{0,63}``), else raise ValueError."""
-    if name == REJECTED_DIR:
-        raise ValueError(f"invalid skill name {name!r}: it is reserved for the bank's folder of rejected candidates")
+    if name in RESERVED_DIRS:
+        raise ValueError(f"invalid skill name {name!r}: it is reserved for a bank folder ({', '.join(RESERVED_DIRS)})")
     if not isinstance(name, str) or not _NAME_RE.fullmatch(name):
         raise ValueError(f"invalid skill name {name!r}: use 1-64 characters of a-z, 0-9, '-' and '_', "
                          f"starting with a letter or digit (no path separators, dots or spaces)")
@@ -237,8 +239,8 @@ def _skill_folders(bank: Path) -> list[Path]:
     for entry in sorted(bank.iterdir()):
         if entry.name.startswith("."):
             continue  # .gitignore, .dvc files, our own temporary files
-        if not entry.is_dir() or entry.name == REJECTED_DIR:
-            continue  # CHANGELOG.md, README.md, rejected/ (read with skills.lifecycle.load_rejected)
+        if not entry.is_dir() or entry.name in RESERVED_DIRS:
+            continue  # CHANGELOG.md, README.md, rejected/ and candidates/ (skills.lifecycle reads them)
         try:
             validate_skill_name(entry.name)
         except ValueError as exc:

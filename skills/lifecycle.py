@@ -20,7 +20,11 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
-from skills.bank import CHANGELOG_FILE, REJECTED_DIR, Skill, load_bank, write_bank, write_skill
+import os
+import shutil
+
+from skills.bank import (CANDIDATES_DIR, CHANGELOG_FILE, REJECTED_DIR, Skill, SkillFormatError, _atomic_write_text, load_bank, read_skill,
+                         skill_to_text, write_bank, write_skill)
 
 CHANGE_VERBS: tuple[str, ...] = ("added", "promoted", "rejected", "revised", "retired", "pruned")
 
@@ -103,3 +107,84 @@ def prune_skills(skills: Sequence[Skill], *, current_round: int, min_utility: fl
             pruned.append(BankChange("pruned", skill, {"reason": f"bank size limit {max_size}"}))
         kept = [s for s in kept if s in ranked[:max_size]]
     return kept, pruned
+
+
+# ------------------------------------------------------------------------------------------- a round's bank
+
+VERSION_PREFIX = "v"
+"""Other active versions of a live skill sit next to its SKILL.md as ``v<version>.md`` (same format)."""
+
+
+@dataclass
+class RoundBank:
+    """Everything a round's bank folder holds: live skills, their other active versions, candidates waiting for
+    validation (``candidates/``), rejected candidates with their evidence (``rejected/``) and the changelog."""
+
+    live: list[Skill] = field(default_factory=list)
+    candidates: list[Skill] = field(default_factory=list)
+    rejected: list[Skill] = field(default_factory=list)
+    versions: dict[str, list[Skill]] = field(default_factory=dict)
+    """Live skill name -> its other active versions (not the one in SKILL.md)."""
+    changelog: str = ""
+
+    def all_versions(self, name: str) -> list[Skill]:
+        """Every active version of a live skill, SKILL.md's first."""
+        main = [s for s in self.live if s.name == name]
+        return main + list(self.versions.get(name, []))
+
+    def known_names(self) -> set[str]:
+        return {s.name for s in self.live + self.candidates + self.rejected}
+
+
+def load_round_bank(bank_dir: str | Path | None) -> RoundBank:
+    """The bank at ``bank_dir`` (an empty one when it is None or missing). Malformed files raise SkillFormatError."""
+    if bank_dir is None or not Path(bank_dir).is_dir():
+        return RoundBank()
+    bank = Path(bank_dir)
+    live = load_bank(bank)
+    versions = {}
+    for skill in live:
+        files = sorted((bank / skill.name).glob(f"{VERSION_PREFIX}*.md"))
+        others = [read_skill(path) for path in files]
+        for path, other in zip(files, others):
+            if other.name != skill.name:
+                raise SkillFormatError(path, 2, f"version file of {skill.name!r} names {other.name!r}")
+        if others:
+            versions[skill.name] = sorted(others, key=lambda v: v.version)
+    candidates = load_bank(bank / CANDIDATES_DIR) if (bank / CANDIDATES_DIR).is_dir() else []
+    changelog = (bank / CHANGELOG_FILE).read_text(encoding="utf-8") if (bank / CHANGELOG_FILE).is_file() else ""
+    return RoundBank(live, candidates, load_rejected(bank), versions, changelog)
+
+
+def save_round_bank(bank_dir: str | Path, bank: RoundBank, changes: Sequence[BankChange], *, header: str) -> Path:
+    """Write ``bank`` as a fresh folder at ``bank_dir`` (built beside it, then swapped in: a crash leaves the old
+    folder or the new one, never a mix). The changelog is the previous one plus ``header`` and one line per change;
+    rejected skills of ``changes`` join ``bank.rejected`` with their evidence."""
+    target = Path(bank_dir)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f".{target.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    if bank.changelog:
+        _atomic_write_text(tmp / CHANGELOG_FILE, bank.changelog if bank.changelog.endswith("\n")
+                           else bank.changelog + "\n")
+    for skill in bank.rejected:
+        write_skill(tmp / REJECTED_DIR, skill)
+    apply_changes(tmp, bank.live, changes, header=header)
+    for skill in bank.candidates:
+        write_skill(tmp / CANDIDATES_DIR, skill)
+    live_names = {s.name for s in bank.live}
+    for name, others in bank.versions.items():
+        if name not in live_names:
+            raise ValueError(f"versions given for {name!r}, which is not a live skill")
+        for other in others:
+            _atomic_write_text(tmp / name / f"{VERSION_PREFIX}{other.version}.md", skill_to_text(other))
+    if target.exists():
+        old = target.with_name(f".{target.name}.old")
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(target, old)
+        os.replace(tmp, target)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, target)
+    return target

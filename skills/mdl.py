@@ -339,3 +339,24 @@ def mine_mdl_skills(trajectories: list[tuple[str, list[str]]], *, max_length: in
             macro=choice.macro,
         ))
     return skills
+
+
+def macro_slots(macro: Sequence[str]) -> list[str]:
+    """The slot names of ``macro`` in order of first appearance (``go to {a}; take {b} from {a}`` -> [a, b])."""
+    seen: dict[str, None] = {}
+    for step in macro:
+        for is_slot, text in _parse_template(step):
+            if is_slot:
+                seen.setdefault(text)
+    return list(seen)
+
+
+def bind_macro_arguments(macro: Sequence[str], arguments: str) -> list[str] | None:
+    """The concrete actions of ``macro`` called with ``arguments``: its entities (``apple 1 fridge 2``), bound to the
+    macro's slots in order of first appearance. None when the count of entities differs from the count of slots
+    (a slot-free macro takes no arguments) or two slots would bind the same entity."""
+    values = [m.group(1) for m in _ENTITY_RE.finditer(arguments)]
+    slots = macro_slots(macro)
+    if len(values) != len(slots) or len(set(values)) != len(values):
+        return None
+    return instantiate_macro(macro, dict(zip(slots, values)))
