@@ -26,6 +26,7 @@ from datapool.records import StepRecord, TrajectoryRecord
 from envs.base import ENVS, Scenario, TextEnv, close_env, make_scenario_env
 from envs.scenarios import expert_steps
 from models.engine import Engine, Generation, SamplingParams
+from skills.mdl import bind_macro_arguments, macro_slots, match_macro
 
 @dataclass(frozen=True)
 class SkillQuery:
@@ -36,9 +37,23 @@ class SkillQuery:
     task: str
     observation: str
     turn: int
+    episode: int = 0
+    """The episode's index within its group (0..G-1): paired validation and version selection give the halves of a
+    group different skills."""
 
 
-SkillsFor = Callable[[SkillQuery], tuple[str, list[str]]]  # query -> (skills text for the prompt, skill ids)
+@dataclass(frozen=True)
+class SkillSlot:
+    """What a skill slot puts in one prompt: the text, the ids of the skills shown, and the executable macros among
+    them: invocation keyword (e.g. ``"skill 1"``) -> action templates (slots ``{a}``, ``{b}``, ... bound from the
+    entities that follow the keyword in the response, see skills.mdl.bind_macro_arguments)."""
+
+    text: str
+    ids: Sequence[str] = ()
+    macros: Mapping[str, Sequence[str]] = field(default_factory=dict)
+
+
+SkillsFor = Callable[[SkillQuery], "SkillSlot | tuple[str, list[str]]"]  # query -> what the slot shows
 EnvKwargs = Mapping[str, Mapping[str, Any]]               # env name -> constructor kwargs
 
 
@@ -61,6 +76,9 @@ class _Episode:
     steps: list[StepRecord] = field(default_factory=list)
     skill_tokens: int = 0          # prompt tokens the skill slot takes on the current turn (cost accounting)
     skill_tokens_total: int = 0    # summed over the episode's turns
+    macros: Mapping[str, Sequence[str]] = field(default_factory=dict)   # executable macros of the current slot
+    macro_calls: int = 0
+    trace: list[dict] = field(default_factory=list)   # per step: plain prompt ids and macro sub-steps (SIRI data)
     status: str | None = None      # None while live
     error: str | None = None
     ended_at: float = 0.0
@@ -118,7 +136,8 @@ def run_episodes(engine: Engine, tokenizer: Any, scenarios: list[Scenario], *, g
                 for ep in live:
                     _fill_skill_slot(ep, skills_for, turn, tokenizer)
             prompts = [render_prompt(ep.template, ep.task, manager(ep.turns, history_turns), ep.observation,
-                                     admissible=ep.info.get("admissible_actions") or (), skills_text=ep.skills_text)
+                                     admissible=_with_macros(ep.info.get("admissible_actions"), ep.macros),
+                                     skills_text=ep.skills_text)
                        for ep in live]
             prompt_ids = [tokenizer.encode(p, add_special_tokens=False) for p in prompts]
             turn_sampling = dataclasses.replace(sampling, seed=_turn_seed(
@@ -129,8 +148,13 @@ def run_episodes(engine: Engine, tokenizer: Any, scenarios: list[Scenario], *, g
                                    f"an Engine must return exactly one Generation per prompt, in order")
             texts = [tokenizer.decode(g.token_ids, skip_special_tokens=True) for g in generations]
             parsed = [env_action(text, ep.info, ep.template, fold=fold) for text, ep in zip(texts, live)]
-            outcomes = call_all([partial(ep.env.step, sent) for ep, (sent, _) in zip(live, parsed)],
+            calls = [macro_call(text, ep.macros, fold=fold) for text, ep in zip(texts, live)]
+            outcomes = call_all([partial(ep.env.step, sent) if call is None else partial(_run_macro, ep.env, call[1],
+                                                                                          ep.observation, ep.info)
+                                 for ep, (sent, _), call in zip(live, parsed, calls)],
                                 workers=workers, timeout_s=step_timeout_s)
+            parsed = [(sent, action) if call is None else (call[0], call[0])
+                      for (sent, action), call in zip(parsed, calls)]
             for ep, prompt, ids, gen, text, (_, action), (value, error) in zip(
                     live, prompts, prompt_ids, generations, texts, parsed, outcomes):
                 if error is not None:
@@ -140,6 +164,8 @@ def run_episodes(engine: Engine, tokenizer: Any, scenarios: list[Scenario], *, g
                 obs, reward, terminated, truncated, info = value
                 valid = bool(info.get("action_valid", True)) and action != ""
                 shown = action if valid else text.strip()
+                ep.trace.append(_trace_entry(ep, manager, history_turns, tokenizer, info.pop(_MACRO_TRACE, None)))
+                ep.macro_calls += action in ep.macros
                 ep.turns.append(Turn(ep.observation, text, shown, ep.info.get("subgoals_done")))
                 ep.steps.append(_step_record(ep, ids, gen, prompt, text, action if valid else "", float(reward),
                                              valid, policy_version, context, info))
@@ -152,6 +178,72 @@ def run_episodes(engine: Engine, tokenizer: Any, scenarios: list[Scenario], *, g
             turn += 1
 
     return [_trajectory_record(ep, round_index, policy_version, started_at) for ep in episodes]
+
+
+def macro_call(text: str, macros: Mapping[str, Sequence[str]], *, fold: bool = False
+               ) -> tuple[str, list[str]] | None:
+    """(keyword, concrete actions) when the response invokes one of ``macros`` (``"skill 1"``, or ``"skill 2 apple 1
+    fridge 1"`` for a macro with slots), else None. The keyword must open the response (after fold tags) as whole
+    words; the longest keyword wins. Wrong arguments make the call invalid: ``(keyword, [])``."""
+    if not macros:
+        return None
+    rest = (parse_fold_tags(text).rest if fold else text).strip()
+    lowered = rest.lower()
+    for keyword in sorted(macros, key=len, reverse=True):
+        if lowered.startswith(keyword.lower()) and (len(rest) == len(keyword) or not rest[len(keyword)].isalnum()):
+            actions = bind_macro_arguments(list(macros[keyword]), rest[len(keyword):])
+            return keyword, actions or []
+    return None
+
+
+_MACRO_TRACE = "_macro_trace"   # private info key: the macro's sub-steps, popped by the loop
+
+
+def _run_macro(env: TextEnv, actions: list[str], observation: str, info: dict
+               ) -> tuple[str, float, bool, bool, dict]:
+    """Step ``env`` through a macro's actions as one agent action: rewards add up; it stops at the end of the
+    episode or at the first invalid action. An empty action list (bad arguments) is one invalid step."""
+    if not actions:
+        obs, reward, terminated, truncated, out = env.step("")
+        return obs, reward, terminated, truncated, {**out, "action_valid": False, _MACRO_TRACE: []}
+    total, sub = 0.0, []
+    for action in actions:
+        sub.append((observation, tuple(info.get("admissible_actions") or ()), action))
+        observation, reward, terminated, truncated, info = env.step(action)
+        total += float(reward)
+        if terminated or truncated or not info.get("action_valid", True):
+            break
+    return observation, total, terminated, truncated, {**info, _MACRO_TRACE: sub}
+
+
+def _with_macros(admissible: Sequence[str] | None, macros: Mapping[str, Sequence[str]]) -> Sequence[str]:
+    """The admissible actions shown, plus the slot-free macro keywords (callable as they are)."""
+    if not admissible:
+        return ()
+    return list(admissible) + [k for k, steps in macros.items() if "{" not in "".join(steps)]
+
+
+def _trace_entry(ep: _Episode, manager, history_turns: int, tokenizer: Any,
+                 macro_steps: list[tuple[str, tuple[str, ...], str]] | None) -> dict:
+    """What internalization (SIRI) needs of one step taken with skills in the prompt: the prompt WITHOUT the skill
+    slot, and for a macro each sub-step's plain prompt and action tokens."""
+    if not ep.skills_text:
+        return {}
+    plain = render_prompt(ep.template, ep.task, manager(ep.turns, history_turns), ep.observation,
+                          admissible=ep.info.get("admissible_actions") or ())
+    entry: dict[str, Any] = {"plain_prompt_ids": tokenizer.encode(plain, add_special_tokens=False)}
+    if macro_steps:
+        eos = getattr(tokenizer, "eos_token_id", None)
+        turns, subs = list(ep.turns), []
+        for observation, admissible, action in macro_steps:
+            prompt = render_prompt(ep.template, ep.task, manager(turns, history_turns), observation,
+                                   admissible=admissible)
+            ids = tokenizer.encode(response_text(action, template=ep.template), add_special_tokens=False)
+            subs.append({"prompt_ids": tokenizer.encode(prompt, add_special_tokens=False),
+                         "action_ids": ids + ([eos] if eos is not None else [])})
+            turns.append(Turn(observation, " " + action, action, None))
+        entry["macro"] = subs
+    return entry
 
 
 def env_action(text: str, info: dict, template: PromptTemplate, *, fold: bool = False) -> tuple[str, str]:
@@ -179,7 +271,7 @@ def env_action(text: str, info: dict, template: PromptTemplate, *, fold: bool = 
 def expert_demonstrations(tokenizer: Any, scenarios: list[Scenario], *, context: str = "window",
                           history_turns: int = 0, skills_for: SkillsFor | None = None,
                           env_kwargs: EnvKwargs | None = None, require_win: bool = True,
-                          tool_format: str = "text", skills_per_step: bool = False
+                          tool_format: str = "text", skills_per_step: bool = False, call_macros: bool = False
                           ) -> list[tuple[list[int], list[int]]]:
     """(prompt ids, response ids) per expert step of every scenario, for warm-start SFT.
 
@@ -194,7 +286,8 @@ def expert_demonstrations(tokenizer: Any, scenarios: list[Scenario], *, context:
     pairs: list[tuple[list[int], list[int]]] = []
     for prompt, response in expert_texts(scenarios, context=context, history_turns=history_turns,
                                          skills_for=skills_for, env_kwargs=env_kwargs, require_win=require_win,
-                                         tool_format=tool_format, skills_per_step=skills_per_step):
+                                         tool_format=tool_format, skills_per_step=skills_per_step,
+                                         call_macros=call_macros):
         pairs.append((tokenizer.encode(prompt, add_special_tokens=False),
                       tokenizer.encode(response, add_special_tokens=False) + [eos]))
     return pairs
@@ -202,31 +295,59 @@ def expert_demonstrations(tokenizer: Any, scenarios: list[Scenario], *, context:
 
 def expert_texts(scenarios: Sequence[Scenario], *, context: str = "window", history_turns: int = 0,
                  skills_for: SkillsFor | None = None, env_kwargs: EnvKwargs | None = None,
-                 require_win: bool = True, tool_format: str = "text", skills_per_step: bool = False
-                 ) -> list[tuple[str, str]]:
-    """(prompt text, response text) per expert step: what ``expert_demonstrations`` tokenizes."""
+                 require_win: bool = True, tool_format: str = "text", skills_per_step: bool = False,
+                 call_macros: bool = False) -> list[tuple[str, str]]:
+    """(prompt text, response text) per expert step: what ``expert_demonstrations`` tokenizes.
+
+    With ``call_macros`` (not with fold), whenever a macro in the skill slot instantiates to the expert's next
+    actions, the demonstration calls it instead (``" skill 1 apple 1 fridge 1"``) and continues after them: the
+    policy learns to call a shown macro when it is what it would do anyway (skills/mdl.py match_macro).
+    """
     manager = get_context_manager(context)
     kwargs_by_env = _check_env_kwargs(env_kwargs)
     out: list[tuple[str, str]] = []
     for scenario in scenarios:
         template = template_for(scenario.env)
-        skills_text = ""
+        slot = SkillSlot("")
         turns: list[Turn] = []
         open_index: int | None = None
-        for turn, step in enumerate(expert_steps(scenario, require_win=require_win,
-                                                 **kwargs_by_env.get(scenario.env, {}))):
+        steps = list(expert_steps(scenario, require_win=require_win, **kwargs_by_env.get(scenario.env, {})))
+        position, turn = 0, 0
+        while position < len(steps):
+            step = steps[position]
             if skills_for is not None and (turn == 0 or skills_per_step):
-                skills_text, _ = skills_for(SkillQuery(scenario, step.task, step.observation, turn))
+                slot = as_slot(skills_for(SkillQuery(scenario, step.task, step.observation, turn)))
+            call = (_expert_macro_call(slot.macros, [s.action for s in steps[position:]])
+                    if call_macros and context != "fold" else None)
             prompt = render_prompt(template, step.task, manager(turns, history_turns), step.observation,
-                                   admissible=step.info.get("admissible_actions") or (), skills_text=skills_text)
-            response = response_text(step.action, tool_format=tool_format, template=template)
-            names, done = step.info.get("subgoals"), step.info.get("subgoals_done")
-            if context == "fold" and names and done is not None:
-                tagged, open_index = expert_fold_response(response.strip(), names, int(done), open_index)
-                response = " " + tagged
+                                   admissible=_with_macros(step.info.get("admissible_actions"), slot.macros),
+                                   skills_text=slot.text)
+            if call is not None:
+                keyword, arguments, length = call
+                response, shown = " " + " ".join([keyword, *arguments]), keyword
+            else:
+                response, shown, length = response_text(step.action, tool_format=tool_format, template=template), \
+                    step.action, 1
+                names, done = step.info.get("subgoals"), step.info.get("subgoals_done")
+                if context == "fold" and names and done is not None:
+                    tagged, open_index = expert_fold_response(response.strip(), names, int(done), open_index)
+                    response = " " + tagged
             out.append((prompt, response))
-            turns.append(Turn(step.observation, response, step.action, step.info.get("subgoals_done")))
+            turns.append(Turn(step.observation, response, shown, step.info.get("subgoals_done")))
+            position += length
+            turn += 1
     return out
+
+
+def _expert_macro_call(macros: Mapping[str, Sequence[str]], upcoming: Sequence[str]
+                       ) -> tuple[str, list[str], int] | None:
+    """(keyword, arguments, steps covered) of the longest shown macro that instantiates to the next actions."""
+    for keyword, macro in sorted(macros.items(), key=lambda item: (-len(item[1]), item[0])):
+        if len(macro) <= len(upcoming):
+            bindings = match_macro(list(macro), list(upcoming[:len(macro)]))
+            if bindings is not None:
+                return keyword, [bindings[slot] for slot in macro_slots(list(macro))], len(macro)
+    return None
 
 
 def summarize(trajectories: Sequence[TrajectoryRecord]) -> dict[str, float]:
@@ -247,6 +368,7 @@ def summarize(trajectories: Sequence[TrajectoryRecord]) -> dict[str, float]:
         "tool_calls_per_episode": tool_calls / n if n else 0.0,
         "mean_skill_prompt_tokens": (sum(t.metadata.get("skill_prompt_tokens", 0) for t in trajectories) / n
                                      if n else 0.0),
+        "macro_calls_per_episode": sum(t.metadata.get("macro_calls", 0) for t in trajectories) / n if n else 0.0,
         "failed_episodes": sum(t.status == "failed" for t in trajectories),
     }
 
@@ -268,11 +390,19 @@ def _start_episode(scenario: Scenario, env_kwargs: dict) -> tuple[TextEnv, str, 
     return env, env.task_description(), obs, info
 
 
+def as_slot(value: "SkillSlot | tuple[str, Sequence[str]]") -> SkillSlot:
+    """A skill slot's answer as a SkillSlot (a plain ``(text, ids)`` pair has no macros)."""
+    if isinstance(value, SkillSlot):
+        return value
+    text, ids = value
+    return SkillSlot(text, tuple(ids))
+
+
 def _fill_skill_slot(ep: _Episode, skills_for: SkillsFor, turn: int, tokenizer: Any) -> None:
-    text, ids = skills_for(SkillQuery(ep.scenario, ep.task, ep.observation, turn))
-    if text != ep.skills_text:
-        ep.skill_tokens = len(tokenizer.encode(text + "\n", add_special_tokens=False)) if text else 0
-    ep.skills_text, ep.skill_ids = text, list(ids)
+    slot = as_slot(skills_for(SkillQuery(ep.scenario, ep.task, ep.observation, turn, ep.index)))
+    if slot.text != ep.skills_text:
+        ep.skill_tokens = len(tokenizer.encode(slot.text + "\n", add_special_tokens=False)) if slot.text else 0
+    ep.skills_text, ep.skill_ids, ep.macros = slot.text, list(slot.ids), dict(slot.macros)
 
 
 def _turn_seed(base: int, round_index: int, turn: int) -> int:
@@ -313,6 +443,7 @@ def _trajectory_record(ep: _Episode, round_index: int, policy_version: str, star
         wall_time_s=max(0.0, ep.ended_at - started_at), error=ep.error,
         metadata={"scenario_id": ep.scenario.scenario_id, "episode_index": ep.index, "skill_ids": ep.skill_ids,
                   "prompt_tokens": sum(len(s.prompt_ids) for s in ep.steps), "turns": len(ep.steps),
-                  "skill_prompt_tokens": ep.skill_tokens_total,
+                  "skill_prompt_tokens": ep.skill_tokens_total, "macro_calls": ep.macro_calls,
+                  "skill_trace": ep.trace,
                   "context_manager": ep.steps[0].context_manager if ep.steps else ""},
         steps=ep.steps)

@@ -32,19 +32,18 @@ def stage_spec(stage: str, round_index: int | None, params: Params, layout: Layo
                 "outs": [rel(layout.scenarios_dir), rel(layout.policy("base"))],
                 "metrics": [rel(layout.metrics_dir / "bootstrap.json")]}
     elif stage == "warmstart":
-        spec = {"deps": [rel(layout.policy("base")), rel(layout.scenarios("train")), "agents", "models/trainer.py",
-                         "tasks/warmstart.py"],
+        spec = {"deps": [rel(layout.policy("base")), rel(layout.scenarios("train")), "agents", "skills",
+                         "models/trainer.py", "tasks/warmstart.py", "tasks/mine.py"],
                 "params": ["pipeline.seed", "env", "warmstart", "rollout.context", "rollout.history_turns",
-                           "rollout.tool_format", "train.zero_stage"],
-                "outs": [rel(layout.policy("warmstart"))],
+                           "rollout.tool_format", "train.zero_stage", "mine", "skills", "evaluate"],
+                "outs": [rel(layout.policy("warmstart")), rel(layout.skills(0))],
                 "metrics": [rel(layout.metrics_dir / "warmstart.json")]}
     elif stage == "rollout":
         deps = [rel(layout.round_policy(round_index)), rel(layout.scenarios("train")), "agents", "envs",
-                "models/hf_engine.py", "tasks/rollout.py"]
-        if round_index > 1:
-            deps.append(rel(layout.skills(round_index - 1)))
-        spec = {"deps": deps, "params": ["pipeline.seed", "env", "rollout", "evaluate.skills_k"],
-                "outs": [rel(layout.steps(round_index))],
+                "models/hf_engine.py", "tasks/rollout.py", "tasks/skill_trials.py"]
+        deps.append(rel(layout.skills(round_index - 1)))  # round 0's bank is the warm start's
+        spec = {"deps": deps, "params": ["pipeline.seed", "env", "rollout", "evaluate", "skills"],
+                "outs": [rel(layout.steps(round_index)), rel(layout.skill_trials(round_index))],
                 "metrics": [rel(layout.round_metrics(round_index, "rollout"))]}
     elif stage == "validate":
         spec = {"deps": [rel(layout.steps(round_index)), "datapool/quality.py", "tasks/validate.py"],
@@ -52,27 +51,32 @@ def stage_spec(stage: str, round_index: int | None, params: Params, layout: Layo
                 "outs": [rel(layout.validated(round_index)), rel(layout.round_metrics(round_index, "validate_report"))],
                 "metrics": [rel(layout.round_metrics(round_index, "validate"))]}
     elif stage == "mine":
-        spec = {"deps": [rel(layout.steps(round_index)), "skills", "tasks/mine.py"], "params": ["mine"],
+        deps = [rel(layout.steps(round_index)), rel(layout.skill_trials(round_index)), "skills", "tasks/mine.py",
+                "tasks/skill_trials.py", rel(layout.skills(round_index - 1))]
+        if params.skills.llm_miner == "policy":
+            deps.append(rel(layout.round_policy(round_index)))
+        spec = {"deps": deps, "params": ["pipeline.seed", "mine", "skills"],
                 "outs": [rel(layout.skills(round_index))],
                 "metrics": [rel(layout.round_metrics(round_index, "mine"))]}
     elif stage == "train":
-        spec = {"deps": [rel(layout.validated(round_index)), rel(layout.round_policy(round_index)), "models",
-                         "tasks/train.py"],
-                "params": ["pipeline.seed", "pipeline.registered_model", "train"],
+        spec = {"deps": [rel(layout.validated(round_index)), rel(layout.skill_trials(round_index)),
+                         rel(layout.round_policy(round_index)), "models", "tasks/train.py"],
+                "params": ["pipeline.seed", "pipeline.registered_model", "train", "skills.tau", "skills.t_min"],
                 "outs": [rel(layout.policy(f"round_{round_index}"))],
                 "metrics": [rel(layout.round_metrics(round_index, "train"))]}
     elif stage == "evaluate":
         deps = [rel(layout.policy(n)) for n in ["base", "warmstart"] + [f"round_{r}" for r in range(1, rounds + 1)]]
         deps += [rel(layout.scenarios("heldout")), rel(layout.skills(rounds)), "tasks/evaluate.py"]
         deps += [rel(layout.round_metrics(r, "rollout")) for r in range(1, rounds + 1)]
-        spec = {"deps": deps, "params": ["pipeline", "env", "evaluate", "rollout.max_new_tokens",
+        spec = {"deps": deps, "params": ["pipeline", "env", "evaluate", "skills", "rollout.max_new_tokens",
                                          "rollout.context", "rollout.history_turns", "rollout.tool_format"],
                 "metrics": [rel(layout.evaluate_metrics)],
                 "plots": [{rel(layout.rounds_plot): {"x": "round", "y": "heldout_success_rate"}}]}
     else:  # transfer
         spec = {"deps": [rel(layout.policy("base")), rel(layout.policy("warmstart")), rel(layout.scenarios_dir),
                          rel(layout.skills(rounds)), "tasks/transfer.py"],
-                "params": ["pipeline.seed", "env", "transfer", "warmstart", "evaluate", "rollout.max_new_tokens",
+                "params": ["pipeline.seed", "env", "transfer", "warmstart", "evaluate", "skills",
+                           "rollout.max_new_tokens",
                            "rollout.context", "rollout.history_turns", "rollout.tool_format"],
                 "outs": [rel(layout.policy(f"transfer_{params.transfer.arch}"))],
                 "metrics": [rel(layout.transfer_metrics)]}

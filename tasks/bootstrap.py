@@ -13,9 +13,9 @@ from envs.base import Scenario, close_env, make_scenario_env
 from envs.scenarios import make_scenarios
 from models.build import build_model, count_parameters, load_policy, save_policy, train_tokenizer
 from skills.bank import Skill
-from skills.retrieval import render_skills
 from tasks.common import env_kwargs, pregenerate_games, seed_everything, write_json, write_scenarios
 from tasks.config import Params
+from tasks.skill_trials import MACRO_KEYWORD, render_slot
 from tasks.layout import Layout
 
 
@@ -31,7 +31,9 @@ def tokenizer_corpus(scenarios: list[Scenario], params: Params, seed: int,
         skills_text = ""
         if rng.random() < 0.5:
             macro = tuple(rng.choice(("left", "right", "up", "down", "look", "open")) for _ in range(rng.randint(2, 4)))
-            skills_text = render_skills([Skill(name="corpus", when_to_use="", procedure="", macro=macro)])
+            skills_text = render_slot([Skill(name="corpus", when_to_use="", procedure="", macro=macro)],
+                                      macros=True).text
+            texts.append(f" {MACRO_KEYWORD.format(index=rng.randint(1, 3))}")  # a macro call, as responses write it
         if rng.random() < 0.5:
             try:
                 pairs = expert_texts([scenario], require_win=False, tool_format=params.rollout.tool_format,

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from agents.rollout import SkillQuery, SkillsFor, run_episodes, summarize
+from agents.rollout import SkillsFor, run_episodes, summarize
 from datapool.records import TrajectoryRecord
 from envs.base import Scenario
 from envs.textworld_cooking import TextWorldCooking, generate_games
@@ -18,8 +18,9 @@ from models.build import load_policy
 from models.engine import SamplingParams
 from models.hf_engine import TransformersEngine
 from skills.bank import Skill, load_bank
-from skills.embeddings import CachedEmbedder, TfidfEmbedder
-from skills.retrieval import SkillRetriever, render_skills, skill_text
+from skills.lifecycle import RoundBank
+from skills.versions import VersionConfig
+from tasks.skill_trials import SkillProgram
 from tasks.config import Params
 from tasks.layout import Layout, require
 
@@ -96,21 +97,24 @@ def load_engine(path: Path, policy_version: str, produced_by: str) -> Transforme
     return TransformersEngine(model, tokenizer, policy_version=policy_version)
 
 
+def skill_program(bank: RoundBank, params: Params, *, tests: bool = True) -> SkillProgram:
+    """The skill slot of a rollout or an evaluation over ``bank``: state-grounded retrieval over its live skills
+    (score = alpha*cos(task) + (1-alpha)*cos(observation), MMR, the floor; skills/retrieval.py) with the configured
+    embedder, callable macros, and with ``tests`` the lifecycle's paired tests (candidates, skill-free halves,
+    Thompson-sampled versions; tasks/skill_trials.py). The rollout loop asks at reset, and every turn with
+    evaluate.skills_per_step."""
+    cfg, life = params.evaluate, params.skills
+    return SkillProgram(bank, k=cfg.skills_k, alpha=cfg.skills_alpha, floor=cfg.skills_floor, embedder=life.embedder,
+                        ucb_c=life.ucb_c if tests else 0.0, macros=life.macros, validate=tests and life.validate, paired=tests and life.paired,
+                        skip_arm=tests and life.skip_arm,
+                        version_config=VersionConfig(gamma=life.versions_gamma, min_uses=life.versions_min_uses))
+
+
 def skill_slot(skills: list[Skill], params: Params) -> SkillsFor | None:
-    """State-grounded skill retrieval for the prompt's skill slot (None when the bank is empty or skills_k is 0):
-    TF-IDF over the bank's skills, score = alpha*cos(task) + (1-alpha)*cos(observation), MMR, the embedder's floor
-    (skills/retrieval.py). The rollout loop asks at reset, and every turn with evaluate.skills_per_step."""
-    cfg = params.evaluate
-    if not skills or cfg.skills_k <= 0:
+    """The plain skill slot over ``skills`` (no tests): None when there is nothing to show."""
+    if not skills or params.evaluate.skills_k <= 0:
         return None
-    retriever = SkillRetriever(skills, CachedEmbedder(TfidfEmbedder([skill_text(s) for s in skills])),
-                               alpha=cfg.skills_alpha, k=cfg.skills_k, floor=cfg.skills_floor)
-
-    def skills_for(query: SkillQuery) -> tuple[str, list[str]]:
-        chosen = [skill for skill, _ in retriever.retrieve(query.task, query.observation)]
-        return render_skills(chosen), [s.name for s in chosen]
-
-    return skills_for
+    return skill_program(RoundBank(live=list(skills)), params, tests=False).skills_for
 
 
 def load_skills(bank_dir: Path | None) -> list[Skill]:

@@ -83,6 +83,10 @@ class WarmstartConfig:
     """False skips SFT (the warm-start policy is then the base policy)."""
     demo_scenarios: int = 512
     """Train scenarios whose expert trajectories are the SFT data."""
+    skill_demos: float = 0.5
+    """Skill-aware warm start: mine a bank (mine.method) from the expert demonstrations (artifacts/skills/round_0;
+    its skills are candidates the first rollout validates, with skills.validate) and show its skills in this
+    fraction of the demonstrations, which call a shown macro wherever it is what the expert does next. 0 = off."""
     epochs: int = 2
     lr: float = 0.001
     micro_batch_size: int = 64
@@ -184,6 +188,11 @@ class TrainConfig:
     seal_weight: float = 0.01
     lora_r: int = 0
     """LoRA rank via peft (0 = full fine-tuning); the saved policy has the adapters merged."""
+    internalize_coef: float = 0.0
+    """SIRI internalization: > 0 adds the distillation term on beneficial skill-guided action tokens, scored on the
+    prompt WITHOUT the skill (weight w_t = coef * min(u * A_t, internalize_w_max)), so the policy needs no skill at
+    inference. 0 = off."""
+    internalize_w_max: float = 1.0
     overlong_max_tokens: int = 64
     """overlong filter: total response tokens of a trajectory at which the full penalty applies."""
     overlong_buffer_tokens: int = 16
@@ -208,6 +217,53 @@ class EvaluateConfig:
     TF-IDF, 0.3 for MiniLM) to leave the slot empty when nothing in the bank matches."""
 
 
+SKILL_EMBEDDERS: tuple[str, ...] = ("tfidf", "minilm")
+
+
+@dataclass(frozen=True)
+class SkillsConfig:
+    """The skill lifecycle (skills/, ALGORITHMS.md section 9): which candidates enter the bank, how skills are shown,
+    versioned and pruned. Retrieval knobs (k, alpha, per step, floor) are evaluate.skills_*."""
+    validate: bool = True
+    """Mined candidates go through paired validation in the next rollout (base vs base + candidate halves of a
+    group, same scenario) and enter the bank only if they help; False adds them to the bank directly."""
+    tau: float = 0.0
+    """Promotion threshold on u(c) = mean R(aug) - mean R(base)."""
+    t_min: float = 1.0
+    """Welch t a candidate must exceed (when both halves have a variance)."""
+    paired: bool = True
+    """Groups without a candidate split into skill-free and skill-guided halves: live skills' utility (for pruning),
+    skill_used for the skillc/d2skill estimators, and data for internalization."""
+    macros: bool = True
+    """Skills with a macro are callable as one action ("skill 1", then the slot arguments)."""
+    embedder: str = "tfidf"
+    """Retrieval embeddings: tfidf (fitted on the bank) or minilm (offline all-MiniLM-L6-v2; falls back to TF-IDF
+    with a warning when the package is absent)."""
+    ucb_c: float = 0.0
+    """Retrieval's UCB exploration bonus c*sqrt(ln(1+N)/(1+n)) over skills' uses (0 = off; 0.05 in section 9)."""
+    max_candidates: int = 3
+    """New candidates added per round (the miner's best first)."""
+    versions_gamma: float = 0.9
+    """Discount of every version's Thompson evidence per group update (0.8-0.99)."""
+    versions_min_uses: int = 10
+    """Rollouts a version needs before it can retire."""
+    skip_arm: bool = False
+    """SelSkill: "skip" (no skill in the prompt) competes with a skill's versions."""
+    llm_miner: str = ""
+    """LLM miner and reviser: "" (off), "policy" (the round's policy writes skills), or the base URL of any
+    OpenAI-compatible endpoint (e.g. the gateway, http://127.0.0.1:8000/v1)."""
+    llm_model: str = ""
+    """Model name sent to the endpoint."""
+    llm_api_key_env: str = ""
+    """Name of the environment variable holding the endpoint's API key (the key itself never goes in params)."""
+    prune_min_utility: float = -0.05
+    """Prune live skills whose utility estimate falls below this."""
+    prune_max_idle_rounds: int = 2
+    """Prune live skills not shown in a rollout for more than this many rounds."""
+    max_bank_size: int = 8
+    """Most live skills; the lowest-utility ones beyond it are pruned."""
+
+
 @dataclass(frozen=True)
 class TransferConfig:
     arch: str = "llama"
@@ -230,6 +286,7 @@ class Params:
     mine: MineConfig = field(default_factory=MineConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     evaluate: EvaluateConfig = field(default_factory=EvaluateConfig)
+    skills: SkillsConfig = field(default_factory=SkillsConfig)
     transfer: TransferConfig = field(default_factory=TransferConfig)
 
 
@@ -312,6 +369,22 @@ def check_params(params: Params) -> None:
                           "auxiliary losses read observation tokens inside whole-trajectory sequences)")
     if params.train.zero_stage not in (0, 1, 2, 3):
         raise ParamsError(f"params.yaml: train.zero_stage must be 0-3, got {params.train.zero_stage}")
+    if params.skills.embedder not in SKILL_EMBEDDERS:
+        raise ParamsError(f"params.yaml: skills.embedder must be one of {list(SKILL_EMBEDDERS)}, "
+                          f"got {params.skills.embedder!r}")
+    if not 0.8 <= params.skills.versions_gamma <= 0.99:
+        raise ParamsError(f"params.yaml: skills.versions_gamma must be in [0.8, 0.99], got {params.skills.versions_gamma}")
+    if params.skills.ucb_c < 0:
+        raise ParamsError(f"params.yaml: skills.ucb_c must be >= 0, got {params.skills.ucb_c}")
+    if params.skills.max_bank_size < 0 or params.skills.max_candidates < 0 or params.skills.prune_max_idle_rounds < 0:
+        raise ParamsError("params.yaml: skills.max_bank_size, max_candidates and prune_max_idle_rounds must be >= 0")
+    llm = params.skills.llm_miner
+    if llm and llm != "policy" and not llm.startswith(("http://", "https://")):
+        raise ParamsError(f"params.yaml: skills.llm_miner must be '', 'policy' or an http(s) base URL, got {llm!r}")
+    if params.train.internalize_coef < 0 or params.train.internalize_w_max <= 0:
+        raise ParamsError("params.yaml: train.internalize_coef must be >= 0 and train.internalize_w_max > 0")
+    if not 0.0 <= params.warmstart.skill_demos <= 1.0:
+        raise ParamsError(f"params.yaml: warmstart.skill_demos must be in [0, 1], got {params.warmstart.skill_demos}")
     if params.rollout.max_generation_batches < 1:
         raise ParamsError("params.yaml: rollout.max_generation_batches must be >= 1 (1 = no re-sampling)")
     check_env_params(params)

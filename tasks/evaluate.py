@@ -4,7 +4,8 @@ from __future__ import annotations
 import csv
 from typing import Any
 
-from tasks.common import evaluate_policy, load_engine, load_skills, read_json, read_scenarios, seed_everything, write_json
+from skills.lifecycle import CHANGE_VERBS, load_round_bank
+from tasks.common import evaluate_policy, load_engine, read_json, read_scenarios, seed_everything, write_json
 from tasks.config import Params
 from tasks.layout import Layout
 from tasks.tracking import log_metrics, set_champion
@@ -16,11 +17,36 @@ def _subset(summary: dict[str, Any]) -> dict[str, Any]:
     return {key: summary[key] for key in SUMMARY_KEYS} | {k: v for k, v in summary.items() if k not in SUMMARY_KEYS}
 
 
+def skill_report(without: dict[str, Any], with_skills: dict[str, Any], bank, layout: Layout,
+                 rounds: int) -> dict[str, Any]:
+    """Quality against cost of the final bank on the final policy (Skill_EE): success and prompt tokens with and
+    without skills, the skill tokens an episode pays, and every change the bank went through (its changelog)."""
+    changelog = [line for line in bank.changelog.splitlines() if line.strip()]
+    per_round = []
+    for r in range(1, rounds + 1):
+        path = layout.round_metrics(r, "mine")
+        mine = read_json(path, f"mine_{r}") if path.exists() else {}
+        per_round.append({"round": r, **{verb: mine.get(verb, 0) for verb in CHANGE_VERBS},
+                          "live": mine.get("live", 0), "candidates": mine.get("candidates", 0)})
+    return {
+        "success_without_skills": without["success_rate"], "success_with_skills": with_skills["success_rate"],
+        "success_gain": with_skills["success_rate"] - without["success_rate"],
+        "prompt_tokens_per_step_without_skills": without["mean_prompt_tokens"],
+        "prompt_tokens_per_step_with_skills": with_skills["mean_prompt_tokens"],
+        "skill_prompt_tokens_per_episode": with_skills["mean_skill_prompt_tokens"],
+        "macro_calls_per_episode": with_skills["macro_calls_per_episode"],
+        "live_skills": len(bank.live), "candidates": len(bank.candidates), "rejected": len(bank.rejected),
+        "changes": {verb: sum(line.startswith(verb + " ") for line in changelog) for verb in CHANGE_VERBS},
+        "per_round": per_round, "changelog": changelog,
+    }
+
+
 def run(params: Params, layout: Layout) -> dict[str, Any]:
     seed_everything(params.pipeline.seed)
     rounds = params.pipeline.rounds
     heldout = read_scenarios(layout, "heldout")
-    final_skills = load_skills(layout.skills(rounds))
+    final_bank = load_round_bank(layout.skills(rounds))
+    final_skills = final_bank.live
     policies = [("base", "base", "bootstrap"), ("warmstart", "warmstart", "warmstart")]
     policies += [(f"round_{r}", f"round_{r}", f"train_{r}") for r in range(1, rounds + 1)]
 
@@ -36,7 +62,8 @@ def run(params: Params, layout: Layout) -> dict[str, Any]:
     results["final"] = results[f"round_{rounds}"]
     heldout_metrics = {key: _subset(results[key]) for key in ("base", "warmstart", "final", "final_with_skills")}
     per_round = {f"round_{r}": _subset(results[f"round_{r}"]) for r in range(1, rounds + 1)}
-    write_json(layout.evaluate_metrics, {"heldout": heldout_metrics, "rounds": per_round,
+    skills_report = skill_report(results["final"], results["final_with_skills"], final_bank, layout, rounds)
+    write_json(layout.evaluate_metrics, {"heldout": heldout_metrics, "rounds": per_round, "skills": skills_report,
                                          "heldout_scenarios": len(heldout), "seed": params.pipeline.seed})
 
     rows = []
@@ -57,6 +84,7 @@ def run(params: Params, layout: Layout) -> dict[str, Any]:
 
     for key, summary in heldout_metrics.items():
         log_metrics(summary, prefix=f"{key}.")
+    log_metrics({k: v for k, v in skills_report.items() if isinstance(v, (int, float))}, prefix="skills.")
     best_round = max(range(1, rounds + 1), key=lambda r: (results[f"round_{r}"]["success_rate"], r))
     champion = set_champion(params.pipeline.registered_model, str(best_round))
     return {"heldout": heldout_metrics, "champion_round": best_round, "champion_version": champion}

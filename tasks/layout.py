@@ -42,6 +42,10 @@ class Layout:
     def validated(self, round_index: int) -> Path:
         return self.round_dir(round_index) / "validated.parquet"
 
+    def skill_trials(self, round_index: int) -> Path:
+        """Per step of a round's rollout: which half of a paired skill test it was in, and SIRI's plain prompts."""
+        return self.round_dir(round_index) / "skill_trials.parquet"
+
     def skills(self, round_index: int) -> Path:
         return self.root / "artifacts" / "skills" / f"round_{round_index}"
 

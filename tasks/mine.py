@@ -1,37 +1,228 @@
-"""mine: the round's skill bank, mined from successful trajectories (frequent action sub-sequences, or MDL macros)."""
+"""mine: the round's skill bank. One pass of the skill lifecycle (ALGORITHMS.md section 9) over the previous bank:
+
+1. **validate**: candidates tested in this round's rollout (tasks/skill_trials.py) are promoted when u(c) > tau and
+   Welch t > t_min, else rejected into ``rejected/`` with their evidence; untested ones stay candidates;
+2. **credit**: live skills' utility from the paired (skill-free vs skill-guided) groups, as an EMA
+   (models.skill_advantages.update_skill_utility), and when they were last shown;
+3. **versions**: Thompson evidence of each skill's versions (discounted Beta updates), retirement;
+4. **revise** (with an LLM miner): a live skill that failed in this round gets a revised version;
+5. **prune**: by utility, by disuse, by bank size;
+6. **mine**: new candidates from successful trajectories (frequent sub-sequences or MDL macros, plus the LLM miner);
+   with skills.validate they wait in ``candidates/`` for the next rollout, else they go live directly.
+
+Every change is a changelog line with its evidence; each round's bank is its own DVC-tracked folder.
+"""
 from __future__ import annotations
 
+import re
+from dataclasses import replace
 from typing import Any
 
+import pandas as pd
+
 from datapool.parquet import read_steps
-from skills.bank import write_bank
+from models.skill_advantages import update_skill_utility
+from skills.bank import Skill
+from skills.lifecycle import BankChange, RoundBank, load_round_bank, prune_skills, save_round_bank
+from skills.llm_miner import ChatEndpointWriter, EngineWriter, TrajectoryText, mine_llm_skills, revise_skill
 from skills.mdl import mine_mdl_skills
 from skills.mining import mine_frequent_subsequences
-from tasks.common import write_json
+from skills.validation import decide, with_evidence
+from skills.versions import SKIP, VersionConfig, add_version, retire, to_dict, update
+from tasks.common import load_engine, write_json
 from tasks.config import Params
 from tasks.layout import Layout, require
+from tasks.skill_trials import (candidate_results, episode_table, paired_utilities, read_trials, version_label,
+                                version_outcomes, version_state, with_stats)
+
+_MACRO_ACTION = re.compile(r"^skill \d+\b")
+_TASK_LINE = re.compile(r"^Task: (.*)$", re.MULTILINE)
+MAX_ACTIVE_VERSIONS = 3
 
 
-def successful_action_sequences(frame) -> list[tuple[str, list[str]]]:
-    """(trajectory id, actions in step order) of every won trajectory; invalid steps stay as "" (they break runs)."""
+def successful_action_sequences(frame: pd.DataFrame) -> list[tuple[str, list[str]]]:
+    """(trajectory id, actions in step order) of every won trajectory; invalid steps and macro calls stay as ""
+    (they break runs: a macro's own actions are already a skill)."""
     won = frame[frame["won"].astype(bool)].sort_values(["trajectory_id", "step_index"])
-    return [(str(tid), [str(a) for a in group["action"].tolist()]) for tid, group in won.groupby("trajectory_id")]
+    return [(str(tid), ["" if _MACRO_ACTION.match(str(a)) else str(a) for a in group["action"].tolist()])
+            for tid, group in won.groupby("trajectory_id")]
+
+
+def trajectory_texts(frame: pd.DataFrame, ids: list[str] | None = None) -> list[TrajectoryText]:
+    """The LLM miner's view of trajectories: task, (observation, action) per step, outcome."""
+    rows = frame if ids is None else frame[frame["trajectory_id"].isin(ids)]
+    out = []
+    for tid, steps in rows.sort_values(["trajectory_id", "step_index"]).groupby("trajectory_id", sort=True):
+        match = _TASK_LINE.search(str(steps["prompt_text"].iloc[0]))
+        out.append(TrajectoryText(trajectory_id=str(tid), task=match.group(1) if match else "",
+                                  steps=list(zip(steps["observation"].astype(str), steps["action"].astype(str))),
+                                  won=bool(steps["won"].iloc[0]), episode_return=float(steps["reward"].sum())))
+    return out
+
+
+def skill_writer(params: Params, layout: Layout, round_index: int):
+    """The configured LLM miner: None (off), the round's policy, or an OpenAI-compatible endpoint."""
+    cfg = params.skills
+    if not cfg.llm_miner:
+        return None
+    if cfg.llm_miner == "policy":
+        engine = load_engine(layout.round_policy(round_index), f"round_{round_index}",
+                             "warmstart" if round_index == 1 else f"train_{round_index - 1}")
+        return EngineWriter(engine, engine.tokenizer, seed=params.pipeline.seed)
+    return ChatEndpointWriter(cfg.llm_miner, cfg.llm_model, api_key_env=cfg.llm_api_key_env)
+
+
+def mine_candidates(frame: pd.DataFrame, params: Params, round_index: int) -> list[Skill]:
+    return mine_sequences(successful_action_sequences(frame), params)
+
+
+def mine_sequences(sequences: list[tuple[str, list[str]]], params: Params) -> list[Skill]:
+    """The configured miner (mine.method) over (trajectory id, actions) of successful trajectories."""
+    cfg = params.mine
+    if cfg.method == "mdl":
+        return mine_mdl_skills(sequences, max_length=cfg.max_length, min_count=cfg.min_count, max_skills=cfg.top_k)
+    return mine_frequent_subsequences(sequences, min_length=cfg.min_length, max_length=cfg.max_length,
+                                      min_support=cfg.min_support, top_k=cfg.top_k)
+
+
+def lifecycle_round(previous: RoundBank, episodes: pd.DataFrame, frame: pd.DataFrame, params: Params,
+                    round_index: int, writer=None) -> tuple[RoundBank, list[BankChange], dict[str, Any]]:
+    """The new bank, its changes (with evidence) and metrics: steps 1-6 of the module docstring."""
+    life = params.skills
+    changes: list[BankChange] = []
+    metrics: dict[str, Any] = {}
+    live = list(previous.live)
+    versions = {name: list(others) for name, others in previous.versions.items()}
+
+    # 1. validation of the candidates this rollout tested
+    names = {c.name for c in previous.candidates}
+    results = {name: r for name, r in candidate_results(episodes, tau=life.tau, t_min=life.t_min).items()
+               if name in names}
+    decision = decide(previous.candidates, results)
+    for skill in decision.promoted:
+        record = decision.evidence[skill.name]
+        live.append(with_stats(with_evidence(skill, record), utility=record["u"], round=round_index,
+                               last_used_round=round_index, uses=record["n_aug"]))
+        changes.append(BankChange("promoted", skill, _brief(record)))
+    for skill in decision.rejected:
+        changes.append(BankChange("rejected", skill, _brief(decision.evidence[skill.name])))
+    candidates = list(decision.pending)
+    metrics["validation"] = {name: _brief(decision.evidence[name]) for name in decision.evidence}
+
+    # 2. paired credit of live skills, and when each was last shown
+    credit = paired_utilities(episodes)
+    shown = {name for names_ in (episodes["skills"] if not episodes.empty else []) for name in names_}
+    updated = []
+    for skill in live:
+        stats = {}
+        if skill.name in credit and skill.name not in results:
+            gap, groups = credit[skill.name]
+            old = skill.stats.get("utility")
+            stats["utility"] = round(update_skill_utility(float(old), gap) if old is not None else gap, 6)
+            stats["uses"] = int(skill.stats.get("uses", 0)) + groups
+        if skill.name in shown:
+            stats["last_used_round"] = round_index
+        updated.append(with_stats(skill, **stats) if stats else skill)
+    live = updated
+    metrics["paired_utility"] = {name: round(gap, 6) for name, (gap, _) in credit.items()}
+
+    # 3. versions: discounted Thompson evidence, retirement
+    vcfg = VersionConfig(gamma=life.versions_gamma, min_uses=life.versions_min_uses)
+    outcomes = version_outcomes(episodes)
+    for index, skill in enumerate(live):
+        if skill.name not in outcomes:
+            continue
+        all_versions = {version_label(v): v for v in [skill, *versions.get(skill.name, [])]}
+        state = version_state(skill, versions.get(skill.name, []))
+        for group in outcomes[skill.name]:
+            known = [(label, won) for label, won in group if label in state]
+            if known:
+                state = update(state, known, vcfg)
+        state, retired = retire(state, vcfg)
+        for label in retired:
+            if label != SKIP:
+                changes.append(BankChange("retired", all_versions[label], {"mean": round(state[label].mean, 4),
+                                                                            "uses": state[label].uses}))
+        active = [label for label, arm in state.items() if not arm.retired and label != SKIP]
+        main = max(active, key=lambda label: (state[label].mean, label)) if active else version_label(skill)
+        head = with_stats(all_versions[main], **{k: v for k, v in skill.stats.items() if k != "versions"},
+                          versions=to_dict(state))
+        live[index] = head
+        versions[skill.name] = [all_versions[label] for label in sorted(active) if label != main]
+
+    # 4. revisions of live skills that failed this round (LLM miner)
+    if writer is not None and not episodes.empty:
+        for index, skill in enumerate(live):
+            failing = episodes[(~episodes["won"].astype(bool))
+                               & episodes["skills"].apply(lambda names_, n=skill.name: n in names_)]
+            if failing.empty or 1 + len(versions.get(skill.name, [])) >= MAX_ACTIVE_VERSIONS:
+                continue
+            texts = trajectory_texts(frame, failing["trajectory_id"].head(4).tolist())
+            newest = max([skill.version] + [v.version for v in versions.get(skill.name, [])])
+            revised, reason = revise_skill(writer, replace(skill, version=newest), texts, round_index=round_index)
+            if revised is None:
+                metrics.setdefault("revision_failures", []).append(f"{skill.name}: {reason}")
+                continue
+            versions.setdefault(skill.name, []).append(revised)
+            state = add_version(version_state(skill, versions.get(skill.name, [])[:-1]), version_label(revised))
+            live[index] = with_stats(skill, versions=to_dict(state))
+            changes.append(BankChange("revised", revised, {"from_failures": len(texts)}))
+
+    # 5. pruning
+    live, pruned = prune_skills(live, current_round=round_index, min_utility=life.prune_min_utility,
+                                max_idle_rounds=life.prune_max_idle_rounds, max_size=life.max_bank_size)
+    changes.extend(pruned)
+    for change in pruned:
+        versions.pop(change.skill.name, None)
+
+    # 6. new candidates
+    known = {s.name for s in live} | {c.name for c in candidates} | {s.name for s in previous.rejected} | names
+    mined = mine_candidates(frame, params, round_index)
+    if writer is not None:
+        won_ids = sorted({str(t) for t in frame.loc[frame["won"].astype(bool), "trajectory_id"]})
+        llm_skills, failures = mine_llm_skills(writer, trajectory_texts(frame, won_ids[:16]), round_index=round_index,
+                                               max_skills=1, existing_names=sorted(known))
+        mined += llm_skills
+        metrics["llm_miner_failures"] = failures
+    fresh = [with_stats(s, round=round_index) for s in mined if s.name not in known][: life.max_candidates]
+    for skill in fresh:
+        changes.append(BankChange("added", skill, {"as": "candidate" if life.validate else "live",
+                                                   **{k: skill.stats[k] for k in ("support", "count", "mdl_gain",
+                                                                                   "source") if k in skill.stats}}))
+    if life.validate:
+        candidates += fresh
+    else:
+        live += fresh
+    versions = {name: others for name, others in versions.items() if others and name in {s.name for s in live}}
+
+    rejected = list(previous.rejected)
+    bank = RoundBank(live=live, candidates=candidates, rejected=rejected, versions=versions,
+                     changelog=previous.changelog)
+    counts = {verb: sum(c.verb == verb for c in changes) for verb in ("added", "promoted", "rejected", "revised",
+                                                                       "retired", "pruned")}
+    metrics.update({"method": params.mine.method, "mined": len(mined), "live": len(live),
+                    "candidates": len(candidates), "rejected_total": len(rejected)
+                    + counts["rejected"], **{f"{verb}": n for verb, n in counts.items()}})
+    return bank, changes, metrics
+
+
+def _brief(record: dict[str, Any]) -> dict[str, Any]:
+    return {k: record[k] for k in ("u", "welch_t", "n_base", "n_aug", "mean_base", "mean_aug") if k in record}
 
 
 def run(params: Params, layout: Layout, round_index: int) -> dict[str, Any]:
-    cfg = params.mine
     frame, _ = read_steps(require(layout.steps(round_index), f"rollout_{round_index}"))
-    sequences = successful_action_sequences(frame)
-    if cfg.method == "mdl":
-        skills = mine_mdl_skills(sequences, max_length=cfg.max_length, min_count=cfg.min_count, max_skills=cfg.top_k)
-    else:
-        skills = mine_frequent_subsequences(sequences, min_length=cfg.min_length, max_length=cfg.max_length,
-                                            min_support=cfg.min_support, top_k=cfg.top_k)
-    bank = layout.skills(round_index)
-    names = ", ".join(s.name for s in skills) or "none"
-    write_bank(bank, skills, f"round {round_index}: mined ({cfg.method}) {len(skills)} skill(s) from {len(sequences)} "
-                             f"successful trajectories: {names}")
-    metrics = {"round": round_index, "successful_trajectories": len(sequences), "skills": len(skills),
-               "top_support": max((s.stats.get("support", 0.0) for s in skills), default=0.0)}
+    previous = load_round_bank(layout.skills(round_index - 1))  # round 0: the warm start's bank, if it mined one
+    episodes = episode_table(read_trials(layout.skill_trials(round_index)))
+    writer = skill_writer(params, layout, round_index)
+    bank, changes, metrics = lifecycle_round(previous, episodes, frame, params, round_index, writer)
+    header = (f"round {round_index}: mined ({metrics['method']}) {metrics['mined']}; {metrics['live']} live "
+              f"skill(s), {metrics['candidates']} candidate(s); "
+              + ", ".join(f"{verb} {metrics[verb]}" for verb in ("added", "promoted", "rejected", "revised",
+                                                                  "retired", "pruned")))
+    save_round_bank(layout.skills(round_index), bank, changes, header=header)
+    successful = int(frame.loc[frame["won"].astype(bool), "trajectory_id"].nunique())
+    metrics.update({"round": round_index, "successful_trajectories": successful,
+                    "changes": [c.line() for c in changes]})
     write_json(layout.round_metrics(round_index, "mine"), metrics)
     return metrics

@@ -13,8 +13,9 @@ from datapool.parquet import export_steps
 from datapool.records import TrajectoryRecord
 from datapool.store import DataPool
 from models.engine import SamplingParams
-from tasks.common import (episode_options, load_engine, load_skills, read_scenarios, seed_everything, skill_slot,
-                          write_json)
+from skills.lifecycle import RoundBank, load_round_bank
+from tasks.common import episode_options, load_engine, read_scenarios, seed_everything, skill_program, write_json
+from tasks.skill_trials import trial_frame, write_trials
 from tasks.config import Params, params_to_dict
 from tasks.layout import Layout
 
@@ -65,7 +66,8 @@ def run(params: Params, layout: Layout, round_index: int) -> dict[str, Any]:
                          "warmstart" if round_index == 1 else f"train_{round_index - 1}")
     train = read_scenarios(layout, "train")
     order = random.Random(seed).sample(train, len(train))  # this round's scenario order; batches take the next ones
-    skills = load_skills(layout.skills(round_index - 1)) if cfg.use_skills and round_index > 1 else []
+    bank = load_round_bank(layout.skills(round_index - 1)) if cfg.use_skills else RoundBank()
+    program = skill_program(bank, params)
     sampling = SamplingParams(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
                               seed=seed)
 
@@ -81,10 +83,12 @@ def run(params: Params, layout: Layout, round_index: int) -> dict[str, Any]:
         batch = order[used: used + wanted]
         used += len(batch)
         batches += 1
+        program.plan(batch, cfg.group_size, seed + 7919 * (batches - 1))
         new = run_episodes(engine, engine.tokenizer, batch, group_size=cfg.group_size,
                            sampling=replace(sampling, seed=seed + 7919 * (batches - 1)),
                            round_index=round_index, **episode_options(params, layout),
-                           process_alpha=cfg.process_alpha, skills_for=skill_slot(skills, params),
+                           process_alpha=cfg.process_alpha,
+                           skills_for=program.skills_for if program.active else None,
                            skills_per_step=params.evaluate.skills_per_step,
                            step_timeout_s=cfg.step_timeout_s, seed=seed + 7919 * (batches - 1))
         informative += count_informative_groups(new)
@@ -92,6 +96,8 @@ def run(params: Params, layout: Layout, round_index: int) -> dict[str, Any]:
     elapsed = time.perf_counter() - started
     attempt = attempt_id(params, layout, round_index)
     trajectories = tag_attempt(trajectories, attempt)
+    trials = trial_frame(trajectories, program)   # also takes the harness's per-step skill traces out of metadata
+    write_trials(trials, layout.skill_trials(round_index))
 
     with DataPool(cfg.pool_url or layout.pool_url) as pool:
         pool.add_trajectories(trajectories)
@@ -105,6 +111,9 @@ def run(params: Params, layout: Layout, round_index: int) -> dict[str, Any]:
     tokens = sum(t.response_tokens for t in trajectories)
     metrics.update({"round": round_index, "steps": len(frame), "wall_time_s": elapsed, "generation_batches": batches,
                     "informative_groups": informative, "batch_full": informative >= cfg.scenarios_per_round,
-                    "sampled_tokens_per_s": tokens / max(elapsed, 1e-9), "skills_in_prompt": len(skills) > 0})
+                    "sampled_tokens_per_s": tokens / max(elapsed, 1e-9), "skills_in_prompt": program.active,
+                    "skills_live": len(bank.live), "skills_candidates": len(bank.candidates),
+                    "skill_tests": {test or "none": int(n) for test, n in
+                                    trials.drop_duplicates("group_id")["test"].value_counts().items()}})
     write_json(layout.round_metrics(round_index, "rollout"), metrics)
     return metrics

@@ -10,7 +10,8 @@ import torch
 from datapool.filters import FILTERS, FilterConfig, apply_filters
 from datapool.parquet import read_steps
 from models.advantages import ADVANTAGES, AdvantageConfig, StepBatch, add_process_advantages
-from models.skill_advantages import SKILL_ADVANTAGES
+from models.internalize import GuidedStep, InternalizeConfig, internalization_pairs
+from models.skill_advantages import SKILL_ADVANTAGES, SkillStepBatch
 from models.aux_losses import AUX_LOSSES, AuxConfig
 from models.build import load_policy, save_policy
 from models.layouts import concatenated
@@ -18,20 +19,17 @@ from models.checkpoint import rank_and_world
 from models.losses import LOSSES
 from models.reference import ReferencePolicy, apply_lora
 from models.ds_engine import full_weights, make_ds_engine
-from models.trainer import TrainRow, rl_update
+from models.trainer import TrainRow, rl_update, sft_update
 from tasks.common import seed_everything, write_json
 from tasks.config import Params, TrainConfig
 from tasks.layout import Layout, require
+from tasks.skill_trials import candidate_results, episode_table, paired_utilities, read_trials, skill_used
 from tasks.tracking import log_metrics, register_policy
 
 
 def check_names(cfg: TrainConfig) -> None:
     """Unknown registry names fail before any work, listing the valid ones."""
     ADVANTAGES[cfg.advantage]
-    if cfg.advantage in SKILL_ADVANTAGES:
-        raise ValueError(f"train.advantage {cfg.advantage!r} needs rollouts split into skill and skill-free halves (a "
-                         "`skill_used` step column), which the rollout stage does not produce yet; use grpo, gigpo "
-                         "or another estimator for now")
     LOSSES[cfg.loss]
     for name in cfg.filters:
         FILTERS[name]
@@ -60,27 +58,83 @@ def step_batch(frame: pd.DataFrame) -> StepBatch:
     )
 
 
-def training_rows(frame: pd.DataFrame, cfg: TrainConfig, tokenizer) -> tuple[list, dict[str, float]]:
+def training_rows(frame: pd.DataFrame, cfg: TrainConfig, tokenizer, trials: pd.DataFrame | None = None
+                  ) -> tuple[list, dict[str, float], Any]:
     """Rows with advantages from the configured estimator (always computed per step, so step-level credit works in
     both layouts): step rows carry per-token advantages; concatenated rows (one per trajectory, token ids exactly as
-    sampled) carry one advantage per turn."""
+    sampled) carry one advantage per turn. The skill estimators (skillc, d2skill) read each row's ``skill_used``
+    flag from the rollout's skill trials (the skill-guided half of a tested group). Also returns the estimator's
+    result (internalization weighs its tokens by the step advantages)."""
     batch = step_batch(frame)
+    if cfg.advantage in SKILL_ADVANTAGES:
+        flags = skill_used(frame, trials if trials is not None else pd.DataFrame())
+        batch = SkillStepBatch(batch, torch.tensor(flags, dtype=torch.bool))
     result = ADVANTAGES[cfg.advantage](batch, AdvantageConfig(gamma=cfg.gamma, omega=cfg.omega,
                                                               anchor_mode=cfg.anchor_mode))
     if cfg.process_weight > 0:
         process = torch.tensor(frame["process_reward"].to_numpy(dtype=float), dtype=torch.float64)  # [R]
-        result = add_process_advantages(result, batch, process, cfg.process_weight)
+        result = add_process_advantages(result, batch if isinstance(batch, StepBatch) else batch.batch, process,
+                                        cfg.process_weight)
     if cfg.layout == "step_rows":
         rows = [TrainRow(list(r.prompt_ids), list(r.response_ids), list(r.logprobs),
                          result.token_advantages[i, :len(r.response_ids)].tolist())
                 for i, r in enumerate(frame.itertuples(index=False))]
-        return rows, result.metrics
+        return rows, result.metrics, result
     frame = frame.assign(_advantage=result.row_advantages.tolist())
     rows = []
     for _, steps in frame.sort_values(["trajectory_id", "step_index"]).groupby("trajectory_id", sort=False):
         spec = concatenated(list(steps.itertuples(index=False)), tokenizer)
         rows.append(spec._replace(step_advantages=tuple(steps["_advantage"]), success=bool(steps["won"].iloc[0])))
-    return rows, result.metrics
+    return rows, result.metrics, result
+
+
+def guided_steps(frame: pd.DataFrame, trials: pd.DataFrame, row_advantages: torch.Tensor, *, tau: float = 0.0,
+                 t_min: float = 1.0) -> list[GuidedStep]:
+    """SIRI's data: the steps of skill-guided (augmented) halves of VALIDATED skills, with the prompt each would
+    have had without the skill and its advantage. u is the candidate's pooled u(c) when validation promotes it
+    (u > tau, Welch t > t_min; a rejected candidate guides nothing), and for a paired group of live skills the mean
+    paired utility of the skills the episode saw. A macro step contributes each of its sub-steps (plain prompt ->
+    the primitive action), with the macro step's advantage."""
+    if trials.empty or len(frame) == 0:
+        return []
+    episodes = episode_table(trials)
+    validated = {name: r.u for name, r in candidate_results(episodes, tau=tau, t_min=t_min).items() if r.promote}
+    paired = {name: u for name, (u, _) in paired_utilities(episodes).items()}
+    by_step = {(t, int(i)): row for t, i, row in zip(trials["trajectory_id"], trials["step_index"],
+                                                     trials.itertuples(index=False))}
+    steps = []
+    for position, row in enumerate(frame.itertuples(index=False)):
+        trial = by_step.get((row.trajectory_id, int(row.step_index)))
+        if trial is None or trial.arm != "aug" or len(trial.plain_prompt_ids) == 0:
+            continue
+        if trial.test == "candidate":
+            u = validated.get(trial.candidate)
+        else:
+            known = [paired[name] for name in trial.skill_ids if name in paired]
+            u = sum(known) / len(known) if known else None
+        advantage = float(row_advantages[position])
+        if len(trial.macro_prompt_ids):
+            steps += [GuidedStep(list(p), list(a), advantage, u)
+                      for p, a in zip(trial.macro_prompt_ids, trial.macro_action_ids)]
+        elif len(row.response_ids):
+            steps.append(GuidedStep(list(trial.plain_prompt_ids), list(row.response_ids), advantage, u))
+    return steps
+
+
+def internalize(engine, frame: pd.DataFrame, trials: pd.DataFrame, row_advantages: torch.Tensor, params: Params,
+                tokenizer, seed: int) -> dict[str, float]:
+    """SIRI: L_int = -mean w_t log pi(a_t | prompt without the skill) over the selected skill-guided tokens
+    (models/internalize.py), one pass with the same optimizer after the policy-gradient passes."""
+    cfg = params.train
+    steps = guided_steps(frame, trials, row_advantages, tau=params.skills.tau, t_min=params.skills.t_min)
+    pairs, weights, metrics = internalization_pairs(steps, InternalizeConfig(coef=cfg.internalize_coef,
+                                                                      w_max=cfg.internalize_w_max))
+    out = {f"internalize.{k}": float(v) for k, v in metrics.items()}
+    if pairs:
+        result = sft_update(engine, pairs, weights=weights, pad_id=tokenizer.pad_token_id,
+                            micro_batch_size=cfg.micro_batch_size, epochs=1, seed=seed, progress=False)
+        out.update({f"internalize.{k}": float(v) for k, v in result.items()})
+    return out
 
 
 def log_update(step: int, metrics: dict[str, float]) -> None:
@@ -105,7 +159,8 @@ def run(params: Params, layout: Layout, round_index: int) -> dict[str, Any]:
         metrics["skipped_no_signal"] = 1
         save_policy(model, tokenizer, target)
     else:
-        rows, advantage_metrics = training_rows(frame, cfg, tokenizer)
+        trials = read_trials(layout.skill_trials(round_index))
+        rows, advantage_metrics, advantage_result = training_rows(frame, cfg, tokenizer, trials)
         metrics.update(advantage_metrics)
         reference = ReferencePolicy(model) if cfg.kl_beta > 0 and cfg.lora_r == 0 else None
         if cfg.lora_r > 0:
@@ -121,6 +176,9 @@ def run(params: Params, layout: Layout, round_index: int) -> dict[str, Any]:
             entropy_coef=cfg.entropy_coef, on_update=log_update if rank_and_world()[0] == 0 else None,
             checkpoint_dir=checkpoints, checkpoint_every=cfg.checkpoint_every, aux=cfg.aux,
             aux_config=AuxConfig(echo_weight=cfg.echo_weight, seal_weight=cfg.seal_weight)))
+        if cfg.internalize_coef > 0:
+            metrics.update(internalize(engine, frame, trials, advantage_result.row_advantages, params, tokenizer,
+                                       seed))
         with full_weights(engine) as trained:  # gathers ZeRO-3 partitions, merges LoRA adapters
             save_policy(trained, tokenizer, target)
         shutil.rmtree(checkpoints, ignore_errors=True)

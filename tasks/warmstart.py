@@ -1,31 +1,72 @@
-"""warmstart: supervised fine-tuning on the envs' expert trajectories, only action tokens trained."""
+"""warmstart: supervised fine-tuning on the envs' expert trajectories, only action tokens trained.
+
+With warmstart.skill_demos > 0 the warm start is skill-aware: the configured miner (mine.method) mines a bank from
+the expert trajectories (``artifacts/skills/round_0``, the lifecycle's first bank: candidates the first rollout
+validates, or live skills without skills.validate), and that fraction of the demonstrations shows its skills in the
+prompt and calls a shown macro wherever it is what the expert does next. The policy thereby learns the calling
+convention; whether a skill then helps is for validation to measure."""
 from __future__ import annotations
 
 import shutil
 from pathlib import Path
 from typing import Any
 
+import random
+
 from agents.rollout import expert_demonstrations
 from envs.base import Scenario
+from envs.scenarios import expert_steps
+from skills.bank import Skill
+from skills.lifecycle import BankChange, RoundBank, save_round_bank
 from models.build import load_policy, save_policy
 from models.ds_engine import full_weights, make_ds_engine
 from models.trainer import sft_update
-from tasks.common import episode_options, read_scenarios, seed_everything, write_json
+from tasks.common import env_kwargs, episode_options, read_scenarios, seed_everything, skill_slot, write_json
+from tasks.mine import mine_sequences
+from tasks.skill_trials import with_stats
 from tasks.config import Params
 from tasks.layout import Layout, require
 
 
+def bootstrap_bank(scenarios: list[Scenario], params: Params, layout: Layout) -> list[Skill]:
+    """Mine the first bank from the expert trajectories of ``scenarios`` and save it as round 0's bank."""
+    kwargs = env_kwargs(params, layout)
+    sequences = [(s.scenario_id, [step.action for step in expert_steps(s, **kwargs.get(s.env, {}))])
+                 for s in scenarios]
+    skills = [with_stats(s, round=0, source="expert") for s in mine_sequences(sequences, params)]
+    skills = skills[: max(params.skills.max_candidates, 1)]
+    as_candidates = params.skills.validate
+    changes = [BankChange("added", s, {"as": "candidate" if as_candidates else "live", "source": "expert"})
+               for s in skills]
+    bank = RoundBank(live=[] if as_candidates else skills, candidates=skills if as_candidates else [])
+    save_round_bank(layout.skills(0), bank, changes, header=f"round 0: mined ({params.mine.method}) {len(skills)} "
+                                                            f"from {len(sequences)} expert demonstrations")
+    return skills
+
+
 def sft_policy(model, tokenizer, scenarios: list[Scenario], params: Params, save_to: Path,
-               layout: Layout | None = None) -> dict[str, Any]:
-    """SFT `model` on expert demos of `scenarios` through a DeepSpeed engine, save it to `save_to`; metrics."""
+               layout: Layout | None = None, skills: list[Skill] | None = None) -> dict[str, Any]:
+    """SFT `model` on expert demos of `scenarios` through a DeepSpeed engine, save it to `save_to`; metrics.
+    With ``skills``, a warmstart.skill_demos fraction of the scenarios shows them and calls their macros."""
     cfg = params.warmstart
-    pairs = expert_demonstrations(tokenizer, scenarios, **episode_options(params, layout),
+    chosen = set(random.Random(params.pipeline.seed).sample(range(len(scenarios)),
+                                                            round(cfg.skill_demos * len(scenarios)))) if skills else set()
+    plain = [s for i, s in enumerate(scenarios) if i not in chosen]
+    guided = [s for i, s in enumerate(scenarios) if i in chosen]
+    pairs = expert_demonstrations(tokenizer, plain, **episode_options(params, layout),
                                   tool_format=params.rollout.tool_format)
+    if guided:
+        pairs += expert_demonstrations(tokenizer, guided, **episode_options(params, layout),
+                                       tool_format=params.rollout.tool_format,
+                                       skills_for=skill_slot(list(skills), params),
+                                       skills_per_step=params.evaluate.skills_per_step,
+                                       call_macros=params.skills.macros)
     engine = make_ds_engine(model, lr=cfg.lr, zero_stage=params.train.zero_stage,
                             micro_batch_size=cfg.micro_batch_size)
     metrics = sft_update(engine, pairs, pad_id=tokenizer.pad_token_id, micro_batch_size=cfg.micro_batch_size,
                          epochs=cfg.epochs, seed=params.pipeline.seed)
     metrics["demos"] = len(pairs)
+    metrics["skill_guided_scenarios"] = len(guided)
     with full_weights(engine) as trained:  # gathers ZeRO-3 partitions; a no-op for stages 0-2
         save_policy(trained, tokenizer, save_to)
     return metrics
@@ -39,9 +80,14 @@ def run(params: Params, layout: Layout) -> dict[str, Any]:
         shutil.rmtree(target)
     model, tokenizer = load_policy(base)
     metrics: dict[str, Any] = {"enabled": params.warmstart.enabled}
+    # round 0's bank always exists (the first rollout and mine stages read it): empty unless mined below
+    save_round_bank(layout.skills(0), RoundBank(), [], header="round 0: no bootstrap skills (warm start off or "
+                                                              "warmstart.skill_demos = 0)")
     if params.warmstart.enabled:
         scenarios = read_scenarios(layout, "train")[: params.warmstart.demo_scenarios]
-        metrics.update(sft_policy(model, tokenizer, scenarios, params, target, layout))
+        skills = bootstrap_bank(scenarios, params, layout) if params.warmstart.skill_demos > 0 else []
+        metrics["bootstrap_skills"] = [s.name for s in skills]
+        metrics.update(sft_policy(model, tokenizer, scenarios, params, target, layout, skills))
     else:
         save_policy(model, tokenizer, target)
     write_json(layout.metrics_dir / "warmstart.json", metrics)

@@ -229,5 +229,5 @@ def test_summarize_hand_computed():
                                 "mean_return": pytest.approx(0.5 / 3), "mean_steps": 2.0,
                                 "mean_response_tokens": pytest.approx(10 / 3), "invalid_action_rate": 2 / 6,
                                 "failed_episodes": 1, "mean_prompt_tokens": 1.0, "tool_calls_per_episode": 0.0,
-                                "mean_skill_prompt_tokens": 0.0}
+                                "mean_skill_prompt_tokens": 0.0, "macro_calls_per_episode": 0.0}
     assert summarize([])["episodes"] == 0

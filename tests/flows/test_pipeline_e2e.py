@@ -73,13 +73,24 @@ def test_pipeline_flow_end_to_end(tmp_path, prefect_harness, monkeypatch):
     assert counts["trajectories"] == 6 * 4
     assert counts["steps"] == rollout["steps"] > 0
 
-    # skill bank folder and both metrics files with the documented keys
-    assert (layout.skills(1) / "CHANGELOG.md").exists()
+    # skill banks (round 0 from the warm start's expert demos, round 1 from the lifecycle), the rollout's skill
+    # trials, and both metrics files with the documented keys
+    changelog = (layout.skills(1) / "CHANGELOG.md").read_text()
+    assert changelog.startswith("round 0: mined (frequent)") and "\nround 1: mined (frequent)" in changelog
+    assert layout.skill_trials(1).exists()
+    rollout_tests = json.loads(layout.round_metrics(1, "rollout").read_text())["skill_tests"]
+    assert rollout_tests == {"candidate": 6}, rollout_tests   # the warm start's candidates were validated
+    mine_metrics = json.loads(layout.round_metrics(1, "mine").read_text())
+    assert set(mine_metrics["validation"]) and mine_metrics["promoted"] + mine_metrics["rejected"] >= 1
     evaluation = json.loads(layout.evaluate_metrics.read_text())
     assert set(evaluation["heldout"]) == {"base", "warmstart", "final", "final_with_skills"}
     for summary in evaluation["heldout"].values():
         assert SUMMARY_KEYS <= set(summary)
         assert summary["episodes"] == 8
+    report = evaluation["skills"]
+    assert {"success_with_skills", "success_without_skills", "skill_prompt_tokens_per_episode",
+            "changelog", "changes"} <= set(report)
+    assert report["changelog"] == [line for line in changelog.splitlines() if line]
     transfer = json.loads(layout.transfer_metrics.read_text())
     assert len(transfer["models"]) >= 2
     for entry in transfer["models"].values():

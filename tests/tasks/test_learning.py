@@ -14,7 +14,7 @@ from tasks.layout import Layout
 TINY = {
     "pipeline": {"rounds": 3, "seed": 1},
     "bootstrap": {"train_scenarios": 256, "heldout_scenarios": 64, "tokenizer_corpus_episodes": 100},
-    "warmstart": {"demo_scenarios": 256, "epochs": 4, "micro_batch_size": 64},
+    "warmstart": {"demo_scenarios": 256, "epochs": 4, "micro_batch_size": 64, "skill_demos": 0.0},  # RL only
     "rollout": {"scenarios_per_round": 64, "group_size": 8, "use_skills": False},
     "train": {"lr": 0.0005, "epochs": 2, "micro_batch_size": 128},
 }

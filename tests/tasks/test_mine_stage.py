@@ -9,6 +9,7 @@ import pytest
 from datapool.records import StepRecord, TrajectoryRecord
 from datapool.store import DataPool
 from skills.bank import load_bank
+from skills.lifecycle import load_round_bank
 from tasks import mine
 from tasks.config import ParamsError, parse_params
 from tasks.layout import Layout
@@ -42,8 +43,9 @@ def test_mdl_method_mines_the_planted_macro_with_slots(tmp_path: Path):
     layout = Layout(tmp_path)
     planted_round(layout)
     metrics = mine.run(parse_params({"mine": {"method": "mdl", "max_length": 4}}), layout, 1)
-    bank = load_bank(layout.skills(1))
-    assert metrics["skills"] == len(bank) >= 1
+    assert load_bank(layout.skills(1)) == []  # with skills.validate (default) mined skills wait as candidates
+    bank = load_round_bank(layout.skills(1)).candidates
+    assert metrics["candidates"] == len(bank) == metrics["added"] >= 1
     planted = ["go to {a}", "open {a}", "take {b} from {a}"]
     best = max(bank, key=lambda skill: skill.stats["mdl_gain"])  # the bank lists skills by name
     assert list(best.macro)[:3] == planted and best.stats["count"] == 20
@@ -53,7 +55,10 @@ def test_mdl_method_mines_the_planted_macro_with_slots(tmp_path: Path):
 def test_frequent_method_is_the_default_and_a_bad_method_is_refused(tmp_path: Path):
     layout = Layout(tmp_path)
     planted_round(layout)
-    mine.run(parse_params({}), layout, 1)
+    metrics = mine.run(parse_params({"skills": {"validate": False}}), layout, 1)
     assert "mined (frequent)" in (layout.skills(1) / "CHANGELOG.md").read_text()
+    live = load_bank(layout.skills(1))  # without validation they go live directly
+    assert metrics["live"] == len(live) == metrics["added"] >= 1
+    assert load_round_bank(layout.skills(1)).candidates == []
     with pytest.raises(ParamsError, match="mine.method"):
         parse_params({"mine": {"method": "llm"}})

@@ -6,9 +6,8 @@ from tasks.train import check_names
 
 
 @pytest.mark.parametrize("name", ["skillc", "d2skill"])
-def test_skill_credit_estimators_are_refused_until_rollouts_split_skill_halves(name):
-    with pytest.raises(ValueError, match="skill_used"):
-        check_names(parse_params({"train": {"advantage": name}}).train)
+def test_skill_credit_estimators_are_accepted_now_that_rollouts_split_skill_halves(name):
+    check_names(parse_params({"train": {"advantage": name}}).train)  # tests/tasks/test_skill_lifecycle.py uses them
 
 
 def test_unknown_estimator_lists_the_valid_ones():
