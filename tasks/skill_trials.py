@@ -221,7 +221,11 @@ def read_trials(path: Path) -> pd.DataFrame:
     """The trials table (an empty one when the rollout wrote none, e.g. older rounds)."""
     if not path.exists():
         return pd.DataFrame(columns=TRIAL_SCHEMA.names)
-    table = pq.read_table(path)
+    try:
+        table = pq.read_table(path)
+    except (pa.ArrowInvalid, OSError) as err:
+        raise ValueError(f"{path}: not a readable skill trials table ({err}); rerun the rollout stage that wrote it "
+                         f"(dvc repro rollout_<round>)") from err
     missing = sorted(set(TRIAL_SCHEMA.names) - set(table.column_names))
     if missing:
         raise ValueError(f"{path}: skill trials table lacks columns {missing}; rerun the rollout stage that wrote it")

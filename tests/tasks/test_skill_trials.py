@@ -197,3 +197,18 @@ def test_the_stage_embedder_param_selects_minilm_and_the_retrieval_is_state_grou
     assert [s.name for s in program.shown(near_hole)] == ["avoid-holes"]  # "pit" ~ "hole": no shared word
     with pytest.raises(ValueError, match="skills.embedder"):
         parse_params({"skills": {"embedder": "word2vec"}})
+
+
+def test_a_corrupt_or_foreign_trials_table_is_refused_with_what_to_do(tmp_path):
+    from tasks.skill_trials import read_trials, trial_frame, write_trials
+
+    assert read_trials(tmp_path / "missing.parquet").empty  # rounds written before the lifecycle: no tests
+    bad = tmp_path / "skill_trials.parquet"
+    bad.write_bytes(b"PAR1 this is not parquet")
+    with pytest.raises(ValueError, match="rerun the rollout stage"):
+        read_trials(bad)
+    pd.DataFrame({"trajectory_id": ["t"]}).to_parquet(bad)
+    with pytest.raises(ValueError, match="lacks columns"):
+        read_trials(bad)
+    write_trials(trial_frame([], None), bad)
+    assert read_trials(bad).empty
