@@ -85,8 +85,9 @@ class WarmstartConfig:
     """Train scenarios whose expert trajectories are the SFT data."""
     skill_demos: float = 0.5
     """Skill-aware warm start: mine a bank (mine.method) from the expert demonstrations (artifacts/skills/round_0;
-    its skills are candidates the first rollout validates, with skills.validate) and show its skills in this
-    fraction of the demonstrations, which call a shown macro wherever it is what the expert does next. 0 = off."""
+    its skills are candidates the first rollout validates, with skills.validate); this fraction of the scenarios is
+    demonstrated a second time showing its skills, calling a shown macro wherever it is what the expert does next
+    (every scenario keeps its plain demonstration). 0 = off."""
     epochs: int = 2
     lr: float = 0.001
     micro_batch_size: int = 64

@@ -47,13 +47,14 @@ def bootstrap_bank(scenarios: list[Scenario], params: Params, layout: Layout) ->
 def sft_policy(model, tokenizer, scenarios: list[Scenario], params: Params, save_to: Path,
                layout: Layout | None = None, skills: list[Skill] | None = None) -> dict[str, Any]:
     """SFT `model` on expert demos of `scenarios` through a DeepSpeed engine, save it to `save_to`; metrics.
-    With ``skills``, a warmstart.skill_demos fraction of the scenarios shows them and calls their macros."""
+    With ``skills``, a warmstart.skill_demos fraction of the scenarios is demonstrated a second time, showing them
+    and calling their macros."""
     cfg = params.warmstart
     chosen = set(random.Random(params.pipeline.seed).sample(range(len(scenarios)),
                                                             round(cfg.skill_demos * len(scenarios)))) if skills else set()
-    plain = [s for i, s in enumerate(scenarios) if i not in chosen]
     guided = [s for i, s in enumerate(scenarios) if i in chosen]
-    pairs = expert_demonstrations(tokenizer, plain, **episode_options(params, layout),
+    # every scenario keeps its plain demonstration (held-out play is plain); the chosen ones add a skill-guided one
+    pairs = expert_demonstrations(tokenizer, scenarios, **episode_options(params, layout),
                                   tool_format=params.rollout.tool_format)
     if guided:
         pairs += expert_demonstrations(tokenizer, guided, **episode_options(params, layout),
