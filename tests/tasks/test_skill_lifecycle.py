@@ -182,3 +182,35 @@ def test_skill_credit_estimators_read_skill_used_from_the_trials(validated_round
     _, blind, blind_result = training_rows(frame, TrainConfig(advantage=name), tokenizer, None)
     assert blind["skill_traj_share"] == 0.0
     assert not (result.row_advantages == blind_result.row_advantages).all()
+
+
+def test_thompson_sampling_on_real_rollouts_moves_to_the_better_version_and_retires_the_worse(tokenizer, tmp_path):
+    """Two versions of one live skill (the helpful macro as v1, the wall-hugging one as v2), drawn per episode
+    within each group; after one round the mine stage's update retires v2, and the next round draws v1."""
+    walk_v1 = Skill(name="walk", when_to_use=HELPFUL.when_to_use, procedure=HELPFUL.procedure, macro=PATH)
+    walk_v2 = Skill(name="walk", when_to_use=HELPFUL.when_to_use, procedure=HARMFUL.procedure,
+                    macro=HARMFUL.macro, version=2, parent="walk")
+    bank = RoundBank(live=[walk_v1], versions={"walk": [walk_v2]})
+    params = parse_params({"skills": {"versions_min_uses": 20}, "mine": {"min_support": 0.9}})
+    scenarios = path_scenarios("train", 24)
+    program = SkillProgram(bank, k=1, alpha=0.5, floor=0.0, paired=False)
+    program.plan(scenarios, GROUP, seed=5)
+    draws = [label for plan in program.plans.values() for label in plan.versions["walk"]]
+    assert {"v1", "v2"} <= set(draws)  # both versions in every group (the distinct-versions floor)
+    trajectories = run_episodes(NoisyPlanner(tokenizer), tokenizer, scenarios, group_size=GROUP,
+                                sampling=SamplingParams(max_new_tokens=4, temperature=1.0, seed=9), round_index=3,
+                                skills_for=program.skills_for, env_kwargs={"frozenlake": LAKE}, progress=False, seed=9)
+    trials = trial_frame(trajectories, program)
+    with DataPool(f"sqlite:///{tmp_path / 'pool.db'}") as pool:
+        pool.add_trajectories(trajectories)
+        frame = pool.steps_frame(round=3)
+    new_bank, changes, _ = lifecycle_round(bank, episode_table(trials), frame, params, round_index=3)
+    assert any(c.verb == "retired" and c.skill.version == 2 for c in changes), [c.line() for c in changes]
+    [walk] = new_bank.live
+    assert walk.version == 1 and walk.macro == PATH and new_bank.versions == {}
+    from skills.versions import from_dict
+    state = from_dict(walk.stats["versions"])
+    assert state["v1"].mean > 0.7 > 0.3 > state["v2"].mean and state["v2"].retired
+    nxt = SkillProgram(new_bank, k=1, alpha=0.5, floor=0.0, paired=False)
+    nxt.plan(scenarios, GROUP, seed=6)
+    assert all(set(plan.versions.get("walk", ("v1",))) == {"v1"} for plan in nxt.plans.values())
