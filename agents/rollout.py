@@ -218,8 +218,8 @@ def _run_macro(env: TextEnv, actions: list[str], observation: str, info: dict
 
 def _with_macros(admissible: Sequence[str] | None, macros: Mapping[str, Sequence[str]]) -> Sequence[str]:
     """The admissible actions shown, plus the slot-free macro keywords (callable as they are)."""
-    if not admissible:
-        return ()
+    if not admissible or not macros:
+        return admissible or ()
     return list(admissible) + [k for k, steps in macros.items() if "{" not in "".join(steps)]
 
 
@@ -326,8 +326,8 @@ def expert_texts(scenarios: Sequence[Scenario], *, context: str = "window", hist
                 keyword, arguments, length = call
                 response, shown = " " + " ".join([keyword, *arguments]), keyword
             else:
-                response, shown, length = response_text(step.action, tool_format=tool_format, template=template), \
-                    step.action, 1
+                response = response_text(step.action, tool_format=tool_format, template=template)
+                shown, length = step.action, 1
                 names, done = step.info.get("subgoals"), step.info.get("subgoals_done")
                 if context == "fold" and names and done is not None:
                     tagged, open_index = expert_fold_response(response.strip(), names, int(done), open_index)

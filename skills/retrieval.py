@@ -26,7 +26,7 @@ from skills.embeddings import Embedder, TfidfEmbedder, default_embedder, tokeniz
 
 __all__ = [
     "RetrievalConfig", "SkillRetriever", "grounded_relevance", "mmr_select", "render_skills", "score_skills",
-    "select_skills", "skill_text", "tokenize", "ucb_bonus",
+    "select_skills", "skill_line", "skill_text", "tokenize", "ucb_bonus",
 ]
 
 _SCORE_DECIMALS = 9  # scores equal to this precision count as ties
@@ -211,12 +211,12 @@ def render_skills(skills: Sequence[Skill]) -> str:
 
     A skill with a macro shows its actions; one without shows the first line of its procedure (<= 80 chars).
     """
-    lines = []
-    for skill in skills:
-        if skill.macro:
-            body = " ".join(skill.macro)
-        else:
-            first = next((line.strip() for line in skill.procedure.splitlines() if line.strip()), skill.name)
-            body = first.lstrip("#-* ").strip()[:80]
-        lines.append(f"Skill: {body}")
-    return "\n".join(lines)
+    return "\n".join(f"Skill: {skill_line(skill)}" for skill in skills)
+
+
+def skill_line(skill: Skill) -> str:
+    """What a prompt shows of one skill: its macro's actions, else the first line of its procedure (<= 80 chars)."""
+    if skill.macro:
+        return " ".join(skill.macro)
+    first = next((line.strip() for line in skill.procedure.splitlines() if line.strip()), skill.name)
+    return first.lstrip("#-* ").strip()[:80]

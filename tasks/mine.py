@@ -163,8 +163,8 @@ def lifecycle_round(previous: RoundBank, episodes: pd.DataFrame, frame: pd.DataF
             if revised is None:
                 metrics.setdefault("revision_failures", []).append(f"{skill.name}: {reason}")
                 continue
+            state = add_version(version_state(skill, versions.get(skill.name, [])), version_label(revised))
             versions.setdefault(skill.name, []).append(revised)
-            state = add_version(version_state(skill, versions.get(skill.name, [])[:-1]), version_label(revised))
             live[index] = with_stats(skill, versions=to_dict(state))
             changes.append(BankChange("revised", revised, {"from_failures": len(texts)}))
 

@@ -38,7 +38,7 @@ from envs.base import Scenario
 from skills.bank import Skill
 from skills.embeddings import CachedEmbedder, TfidfEmbedder, default_embedder
 from skills.lifecycle import RoundBank
-from skills.retrieval import SkillRetriever, skill_text
+from skills.retrieval import SkillRetriever, skill_line, skill_text
 from skills.validation import ValidationResult, split_group, utility
 from skills.versions import SKIP, VersionConfig, add_version, assign_group, from_dict, new_state
 
@@ -75,17 +75,10 @@ def make_embedder(kind: str, texts: Sequence[str]) -> CachedEmbedder:
 def render_slot(skills: Sequence[Skill], *, macros: bool) -> SkillSlot:
     """The prompt's skill slot: ``Skill 1: <macro actions or first procedure line>`` per skill; with ``macros`` each
     macro skill is callable as ``skill <i>`` (followed by its slot arguments, if any)."""
-    lines, calls = [], {}
-    for index, skill in enumerate(skills, start=1):
-        if skill.macro:
-            body = " ".join(skill.macro)
-            if macros:
-                calls[MACRO_KEYWORD.format(index=index)] = tuple(skill.macro)
-        else:
-            first = next((line.strip() for line in skill.procedure.splitlines() if line.strip()), skill.name)
-            body = first.lstrip("#-* ").strip()[:80]
-        lines.append(f"Skill {index}: {body}")
-    return SkillSlot("\n".join(lines), tuple(s.name for s in skills), calls)
+    text = "\n".join(f"Skill {index}: {skill_line(skill)}" for index, skill in enumerate(skills, start=1))
+    calls = {MACRO_KEYWORD.format(index=index): tuple(skill.macro)
+             for index, skill in enumerate(skills, start=1) if macros and skill.macro}
+    return SkillSlot(text, tuple(s.name for s in skills), calls)
 
 
 @dataclass(frozen=True)
