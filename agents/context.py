@@ -1,4 +1,4 @@
-"""Context managers: what of an episode's history goes into the next prompt (ALGORITHMS.md section 10).
+"""Context managers: what of an episode's history goes into the next prompt (docs/algorithms.md section 10).
 
 A context manager is a pure function ``(turns, history_turns) -> ContextView``, registered by name in
 ``CONTEXT_MANAGERS`` (the names params.yaml's ``rollout.context`` takes):

@@ -3,7 +3,7 @@
 A filter is ``fn(frame, cfg) -> (frame, stats)`` registered in FILTERS under the name params.yaml lists; ``frame`` is
 the step table of ``DataPool.steps_frame`` / ``datapool.parquet.read_steps`` (one row per step, the trajectory's
 columns repeated on each of its rows). Filters drop whole trajectories or groups, or shape rewards; they never
-modify their input. ALGORITHMS.md §7 (filters) and §8 (shaping).
+modify their input. docs/algorithms.md §7 (filters) and §8 (shaping).
 
 Shaping keeps the books: an adjustment ``a`` to a trajectory is added to ``reward`` on its last step, to
 ``episode_return`` on every one of its rows, and to ``shaping`` on every one of its rows. So the step rewards still

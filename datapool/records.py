@@ -42,7 +42,7 @@ class StepRecord:
     context_manager: str = "full"
     tool_calls: int = 0       # tool calls the agent made in this step's action
     tool_successes: int = 0   # of those, how many the tool reported as successful (<= tool_calls)
-    process_reward: float = 0.0  # fold context: +-alpha on a step that closed a subgoal (ALGORITHMS.md section 10)
+    process_reward: float = 0.0  # fold context: +-alpha on a step that closed a subgoal (docs/algorithms.md section 10)
     retokenized: bool = False  # the ids were re-derived from text: the upstream could not return sampled ids
 
 

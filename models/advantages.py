@@ -1,4 +1,4 @@
-"""Advantage estimators (ALGORITHMS.md §1, §3, §4, §5): one batch record in, token-level advantages out.
+"""Advantage estimators (docs/algorithms.md §1, §3, §4, §5): one batch record in, token-level advantages out.
 
 Every estimator registered in ADVANTAGES has the signature `fn(batch: StepBatch, cfg: AdvantageConfig) ->
 AdvantageResult`. A batch holds one row per (trajectory, step) (step-row layout) or one row per trajectory
@@ -35,7 +35,7 @@ _GOAL = -1  # graph node id of the goal; anchor cluster ids are >= 0
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Per-trajectory outcome functions (ALGORITHMS.md §1)
+# Per-trajectory outcome functions (docs/algorithms.md §1)
 # ---------------------------------------------------------------------------------------------------------------
 
 def _group_stats(scores: Tensor, group_index: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -148,7 +148,7 @@ class AdvantageConfig:
     """Fuzzy mode: a row joins the first anchor cluster whose first member has similarity >= this (difflib ratio)."""
     invalid_penalty: float = 0.0
     """Extra penalty for an invalid action, subtracted from the row's reward and from its step return R_t
-    (ALGORITHMS §3.4). 0 by default because our envs already put it in the reward."""
+    (docs/algorithms.md §3.4). 0 by default because our envs already put it in the reward."""
     token_gamma: float = 1.0
     """REINFORCE++ per-token discount of the token returns."""
     graph_goal_reward: float = 10.0
@@ -495,7 +495,7 @@ def compute_graphgpo_advantages(batch: StepBatch, cfg: AdvantageConfig) -> Advan
 
 @ADVANTAGES.register("turn_level")
 def compute_turn_level_advantages(batch: StepBatch, cfg: AdvantageConfig) -> AdvantageResult:
-    """Turn-level advantage (MemoPilot; our formulation, ALGORITHMS §5): R_{i,t} = sum_{k>=t} gamma^(k-t) r_k of the
+    """Turn-level advantage (MemoPilot; our formulation, docs/algorithms.md §5): R_{i,t} = sum_{k>=t} gamma^(k-t) r_k of the
     turn rewards (default the env rewards, minus invalid_penalty), normalized across the scenario group's
     trajectories at the same step_index: (R - mean) / (std_unbiased + eps); a step index only one trajectory reached
     gives 0. Broadcast to that turn's tokens.
@@ -510,7 +510,7 @@ def compute_turn_level_advantages(batch: StepBatch, cfg: AdvantageConfig) -> Adv
 
 def add_process_advantages(result: AdvantageResult, batch: StepBatch, process_rewards: Tensor, weight: float,
                            eps: float = GRPO_EPS) -> AdvantageResult:
-    """HIPIF folding (ALGORITHMS.md section 10): A = A + weight * A^proc.
+    """HIPIF folding (docs/algorithms.md section 10): A = A + weight * A^proc.
 
     A^proc: the rows' process rewards (+-alpha on steps that closed a subgoal, 0 elsewhere) GRPO-normalized within
     their scenario group, so a group whose closes all scored alike adds nothing. ``process_rewards`` [R].

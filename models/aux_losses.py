@@ -1,4 +1,4 @@
-"""Auxiliary losses added to the policy loss (ALGORITHMS.md §6): ECHO observation prediction and SEAL separation.
+"""Auxiliary losses added to the policy loss (docs/algorithms.md §6): ECHO observation prediction and SEAL separation.
 
 Every loss registered in AUX_LOSSES has the signature `fn(inputs: AuxInputs, cfg: AuxConfig) -> (loss, metrics)`.
 The returned loss is already multiplied by its weight in `cfg` (the caller adds it to the policy loss as is); the
@@ -24,7 +24,7 @@ class AuxConfig:
     """Weights and settings of the auxiliary losses."""
 
     echo_weight: float = 0.05
-    """lambda of ECHO: L = L_pg + lambda * L_env (ALGORITHMS.md §6)."""
+    """lambda of ECHO: L = L_pg + lambda * L_env (docs/algorithms.md §6)."""
     seal_weight: float = 0.01
     """Weight of the SEAL separation loss."""
     seal_margin: float = 0.5
@@ -56,7 +56,7 @@ def echo(inputs: AuxInputs, cfg: AuxConfig) -> tuple[Tensor, dict[str, float]]:
 
     L_env = mean over sequences that have observation tokens of (mean cross-entropy over their observation tokens),
     i.e. per-sequence length-normalized next-token prediction of what the environment said. Applied to every rollout,
-    failed ones included; no ratio, no clip, no advantage. ECHO as specified in ALGORITHMS.md §6 (the formula from the
+    failed ones included; no ratio, no clip, no advantage. ECHO as specified in docs/algorithms.md §6 (the formula from the
     ECHO reference, the details ours); the world-model co-training variant (PaW) reuses it with other row selection.
 
     Only the observation positions' [N, V] logits are used, so gradient reaches those logits only.
@@ -81,7 +81,7 @@ def seal(inputs: AuxInputs, cfg: AuxConfig) -> tuple[Tensor, dict[str, float]]:
     Each sequence's last-layer hidden states are mean-pooled over its attention mask; within a group that has both
     successful and failed trajectories, mu_succ / mu_fail are the means of the pooled states of each outcome.
     Groups lacking one outcome contribute nothing; with no mixed group the loss is 0 (still connected to `hidden`,
-    so a backward pass works). SEAL: separation of success and failure representations, ALGORITHMS.md §6 (the
+    so a backward pass works). SEAL: separation of success and failure representations, docs/algorithms.md §6 (the
     formulation is ours; the source is an abstract).
 
     Returns (weighted loss, {"seal_loss": unweighted, "seal_groups": number of mixed groups, "seal_cosine": mean

@@ -1,4 +1,4 @@
-"""Skill internalization (SIRI, ALGORITHMS.md §9): distil what validated skills taught into the plain-prompt policy.
+"""Skill internalization (SIRI, docs/algorithms.md §9): distil what validated skills taught into the plain-prompt policy.
 
 A skill in the prompt helps only while it is retrieved and fits in the context. Internalization trains the policy to
 take the actions a helpful skill led to when the skill is NOT in its prompt, so the behaviour survives without it
@@ -12,7 +12,7 @@ skill of validated utility u(c) (mean reward with the skill minus without it):
 N is the number of response tokens of the kept steps in the mini-batch, the normalization plain SFT uses, which is
 how `models.trainer.sft_update(..., weights=...)` optimizes it on the pairs `internalization_pairs` returns. With a
 scalar advantage per action (the usual GRPO case) every token of a kept step is selected, so N is exactly the
-number of selected tokens and L_int is the weighted mean of ALGORITHMS.md; with per-token advantages the
+number of selected tokens and L_int is the weighted mean of docs/algorithms.md; with per-token advantages the
 unselected tokens of a kept step stay in N (they are context, not targets) and weigh that step down a little.
 
 The capped product keeps one lucky rollout of a barely useful skill from dominating, and a weight that is 0 for
@@ -59,7 +59,7 @@ class GuidedStep:
     advantage: float | list[float]
     """The action's advantage: one value for every token, or one per token (len(response_ids) values)."""
     utility: float | None
-    """u(c) of the skill that guided the step (ALGORITHMS.md §9 validation); None when unknown."""
+    """u(c) of the skill that guided the step (docs/algorithms.md §9 validation); None when unknown."""
 
     def __post_init__(self) -> None:
         if not self.plain_prompt_ids:

@@ -1,4 +1,4 @@
-"""The two multi-turn training layouts (ALGORITHMS.md §3), built from the data pool's exact token ids.
+"""The two multi-turn training layouts (docs/algorithms.md §3), built from the data pool's exact token ids.
 
 step rows:    one row per (trajectory, step): that step's prompt_ids + response_ids; the loss sees the response.
 concatenated: one row per trajectory: prompt of step 0, response 0, the text between turns (observation and template),

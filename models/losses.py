@@ -1,4 +1,4 @@
-"""Policy losses (ALGORITHMS.md §2), the KL and entropy terms, and the supervised loss used by warm-start.
+"""Policy losses (docs/algorithms.md §2), the KL and entropy terms, and the supervised loss used by warm-start.
 
 Every loss registered in LOSSES has the signature
 `fn(logp, old_logp, advantages, mask, *, clip_low, clip_high, dual_clip, aggregation) -> (loss, metrics)`
@@ -214,7 +214,7 @@ def policy_objective(
     entropy: Tensor | None = None,
     entropy_coef: float = 0.0,
 ) -> tuple[Tensor, dict[str, float]]:
-    """total = LOSSES[loss] + kl_beta * kl_penalty(logp, ref_logp) - entropy_coef * entropy (ALGORITHMS.md §2).
+    """total = LOSSES[loss] + kl_beta * kl_penalty(logp, ref_logp) - entropy_coef * entropy (docs/algorithms.md §2).
 
     The KL term uses the same mask and aggregation as the policy loss (GRPO's "KL in the loss", Shao et al. 2024,
     arXiv:2402.03300); the entropy bonus follows Schulman et al. 2017, arXiv:1707.06347 (eq. 9).

@@ -1,4 +1,4 @@
-"""Skill credit (ALGORITHMS.md §9, "Paired credit"): the `skillc` and `d2skill` advantage estimators and the skill
+"""Skill credit (docs/algorithms.md §9, "Paired credit"): the `skillc` and `d2skill` advantage estimators and the skill
 utility EMA, for groups whose rollouts are split into a skill-using half and a skill-free half.
 
 Importing this module registers `skillc` and `d2skill` in `models.advantages.ADVANTAGES`, so the train stage must
@@ -49,7 +49,7 @@ class SkillStepBatch(NamedTuple):
 class SkillCreditConfig(AdvantageConfig):
     skillc_lambda: float = 1.0
     """SkillC weight of the one-sided correction: A_i += skillc_lambda * max(Delta, 0) on skill-free rollouts above
-    the group mean (ALGORITHMS §9 gives no default; 1.0 puts a full success gap on the scale of one GRPO unit)."""
+    the group mean (docs/algorithms.md §9 gives no default; 1.0 puts a full success gap on the scale of one GRPO unit)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -115,7 +115,7 @@ def _skill_metrics(h: _Halves, gap: Tensor) -> dict[str, float]:
 
 @ADVANTAGES.register("skillc")
 def compute_skillc_advantages(batch: StepBatch | SkillStepBatch, cfg: AdvantageConfig) -> AdvantageResult:
-    """SkillC dual-stream advantage (SkillC, "Contrastive Skill Credit Assignment"; ALGORITHMS §9).
+    """SkillC dual-stream advantage (SkillC, "Contrastive Skill Credit Assignment"; docs/algorithms.md §9).
 
     A_i = A^global_i + lambda * max(Delta_g, 0) * 1[i skill-free and s_i > mean_g], where A^global is GRPO over the
     whole group (both halves, one ranking), Delta_g = mean s(skill half) - mean s(free half) and mean_g the mean
@@ -142,7 +142,7 @@ def compute_skillc_advantages(batch: StepBatch | SkillStepBatch, cfg: AdvantageC
 @ADVANTAGES.register("d2skill")
 def compute_d2skill_advantages(batch: StepBatch | SkillStepBatch, cfg: AdvantageConfig) -> AdvantageResult:
     """D2Skill paired-baseline advantage (Tu et al. 2026, "Dynamic Dual-Granularity Skill Bank for Agentic RL",
-    arXiv:2603.28716; our formulation of ALGORITHMS §9).
+    arXiv:2603.28716; our formulation of docs/algorithms.md §9).
 
     A_i = (s_i - b_g) / (std_g + eps) for every rollout i of group g, with b_g = mean s over the group's skill-free
     half, std_g the unbiased std over the whole group. So skill-free rollouts are ranked among themselves and a
@@ -185,7 +185,7 @@ def paired_skill_credit(batch: SkillStepBatch) -> dict[int, float]:
 
 
 def update_skill_utility(utility: float, credit: float, beta: float = 0.5) -> float:
-    """Skill utility EMA (D2Skill; ALGORITHMS §9): U <- (1 - beta) * U + beta * credit, beta 0.5.
+    """Skill utility EMA (D2Skill; docs/algorithms.md §9): U <- (1 - beta) * U + beta * credit, beta 0.5.
 
     §9 writes "U <- (1-b)U + b*credit, beta 0.5": we read the rate b there as beta (the EMA rate it names), not as
     the baseline b of the same paragraph, whose role is inside `credit` (= skill-half success - b).

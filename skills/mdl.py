@@ -1,6 +1,6 @@
 """MDL mining of macro skills: abstract successful action sequences, keep the sub-sequences that compress them most.
 
-ALGORITHMS.md section 9, "Mining from trajectories" [I: ReuseRL MDL dictionary, SGDR sliding window, LAR]; the
+docs/algorithms.md section 9, "Mining from trajectories" [I: ReuseRL MDL dictionary, SGDR sliding window, LAR]; the
 criterion is the minimum description length principle (Rissanen 1978) with greedy code-table selection as in Krimp
 (Vreeken, van Leeuwen & Siebes, "Krimp: mining itemsets that compress", 2011). Our formulation:
 

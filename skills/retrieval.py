@@ -1,6 +1,6 @@
 """Skill retrieval for the prompt's skill slot: state-grounded embedding scores, MMR, optional UCB, a floor.
 
-ALGORITHMS.md section 9 [R: SGDR, D2Skill, SkillRL]. A skill's text is ``when_to_use + "\\n" + procedure``::
+docs/algorithms.md section 9 [R: SGDR, D2Skill, SkillRL]. A skill's text is ``when_to_use + "\\n" + procedure``::
 
     relevance_i = alpha * cos(e_i, e_task) + (1 - alpha) * cos(e_i, e_state)
     score_i     = relevance_i + c * sqrt(ln(1 + N) / (1 + n_i))            (UCB, Auer et al. 2002; c = 0 turns it off)

@@ -1,4 +1,4 @@
-"""Pre-storage validation of candidate skills (ALGORITHMS.md §9; the paired skill-free / skill-augmented rollouts
+"""Pre-storage validation of candidate skills (docs/algorithms.md §9; the paired skill-free / skill-augmented rollouts
 of SIRI and D2Skill, arXiv:2603.28716): a candidate enters the bank only if it measurably helps.
 
 In the rollout stage, the G rollouts of a scenario that has a candidate c are split into a base half (the currently
@@ -22,7 +22,7 @@ from typing import Any, Mapping, NamedTuple, Sequence
 from skills.bank import Skill
 
 TAU = 0.0
-"""Promotion threshold on u(c) (ALGORITHMS §9)."""
+"""Promotion threshold on u(c) (docs/algorithms.md §9)."""
 T_MIN = 1.0
 """Welch t a candidate must exceed when both halves have a variance."""
 
@@ -88,7 +88,7 @@ def utility(base_returns: Sequence[float], aug_returns: Sequence[float], tau: fl
     """u(c) and Welch's t of the augmented half against the base half, and whether to promote c.
 
     Cases, each stated in ``reason``: an empty half -> no decision possible, not promoted; u <= tau -> rejected
-    (does not help); a half with one episode -> no variance, decided on u alone (ALGORITHMS §9: Welch only "when a
+    (does not help); a half with one episode -> no variance, decided on u alone (docs/algorithms.md §9: Welch only "when a
     variance is available"); both variances 0 -> t = +-inf, so a deterministic improvement is promoted; otherwise
     promoted iff t > t_min, rejected as noisy when not.
     """

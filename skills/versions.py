@@ -1,4 +1,4 @@
-"""Thompson sampling over the versions of one skill (ReSkill; ALGORITHMS.md §9 "Versions by Thompson sampling").
+"""Thompson sampling over the versions of one skill (ReSkill; docs/algorithms.md §9 "Versions by Thompson sampling").
 
 A skill revised from failures gets a new version; which version a rollout sees is chosen within its group, so the
 versions are compared on the same scenario and policy. Each version v keeps discounted evidence (S_v, F_v) and the
@@ -50,7 +50,7 @@ class VersionConfig:
 
     def __post_init__(self) -> None:
         if not 0.8 <= self.gamma <= 0.99:
-            raise ValueError(f"gamma = {self.gamma} must be in [0.8, 0.99] (ALGORITHMS §9); 0.9 forgets in ~10 groups")
+            raise ValueError(f"gamma = {self.gamma} must be in [0.8, 0.99] (docs/algorithms.md §9); 0.9 forgets in ~10 groups")
         if self.min_uses < 1 or self.min_distinct < 1:
             raise ValueError(f"min_uses ({self.min_uses}) and min_distinct ({self.min_distinct}) must be >= 1")
         if not 0.0 < self.retire_below < 0.5:

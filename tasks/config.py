@@ -182,7 +182,7 @@ class TrainConfig:
     """gigpo: A = A^E + omega * A^S."""
     process_weight: float = 0.0
     """fold context (HIPIF): A = A + process_weight * A^proc, A^proc = the steps' process rewards normalized within
-    their group (ALGORITHMS.md section 10); 0 = off."""
+    their group (docs/algorithms.md section 10); 0 = off."""
     anchor_mode: str = "exact"
     """gigpo/graphgpo anchor grouping: exact or fuzzy."""
     echo_weight: float = 0.05
@@ -210,7 +210,7 @@ class EvaluateConfig:
     skills_k: int = 1
     """Skills put in the prompt's skill slot (rollout and evaluation); 0 = none."""
     skills_alpha: float = 0.5
-    """Retrieval score alpha*cos(skill, task) + (1-alpha)*cos(skill, observation) (ALGORITHMS.md section 9)."""
+    """Retrieval score alpha*cos(skill, task) + (1-alpha)*cos(skill, observation) (docs/algorithms.md section 9)."""
     skills_per_step: bool = False
     """Re-retrieve skills every turn from the current observation; False = once per episode, at reset."""
     skills_floor: float = 0.0
@@ -223,7 +223,7 @@ SKILL_EMBEDDERS: tuple[str, ...] = ("tfidf", "minilm")
 
 @dataclass(frozen=True)
 class SkillsConfig:
-    """The skill lifecycle (skills/, ALGORITHMS.md section 9): which candidates enter the bank, how skills are shown,
+    """The skill lifecycle (skills/, docs/algorithms.md section 9): which candidates enter the bank, how skills are shown,
     versioned and pruned. Retrieval knobs (k, alpha, per step, floor) are evaluate.skills_*."""
     validate: bool = True
     """Mined candidates go through paired validation in the next rollout (base vs base + candidate halves of a

@@ -1,4 +1,4 @@
-"""mine: the round's skill bank. One pass of the skill lifecycle (ALGORITHMS.md section 9) over the previous bank:
+"""mine: the round's skill bank. One pass of the skill lifecycle (docs/algorithms.md section 9) over the previous bank:
 
 1. **validate**: candidates tested in this round's rollout (tasks/skill_trials.py) are promoted when u(c) > tau and
    Welch t > t_min, else rejected into ``rejected/`` with their evidence; untested ones stay candidates;

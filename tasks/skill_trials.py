@@ -1,6 +1,6 @@
 """The skill lifecycle's rollout side: what each episode of a group is shown, and what the halves measured.
 
-A rollout group (G episodes of one scenario) is one of three kinds of test (ALGORITHMS.md section 9):
+A rollout group (G episodes of one scenario) is one of three kinds of test (docs/algorithms.md section 9):
 
 - ``candidate``: the bank has candidates waiting for validation. The group is split by skills.validation.split_group
   into a base half (the skills retrieval picks from the live bank, R) and an augmented half (R + the candidate); the

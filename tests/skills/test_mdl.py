@@ -1,4 +1,4 @@
-"""MDL mining of macro skills (ALGORITHMS.md section 9): abstraction, description length, greedy selection, skills."""
+"""MDL mining of macro skills (docs/algorithms.md section 9): abstraction, description length, greedy selection, skills."""
 from __future__ import annotations
 
 import random

@@ -1,5 +1,5 @@
 """Skill retrieval on hand-made cases: the original TF-IDF select_skills, the skill-slot text, and the state-grounded
-retriever of ALGORITHMS.md section 9 (MMR, UCB, floor, embedding cache, MiniLM offline and the TF-IDF fallback)."""
+retriever of docs/algorithms.md section 9 (MMR, UCB, floor, embedding cache, MiniLM offline and the TF-IDF fallback)."""
 from __future__ import annotations
 
 import functools
