@@ -20,7 +20,7 @@ from tqdm.auto import tqdm
 from agents.context import Turn, expert_fold_response, fold_process_rewards, get_context_manager, parse_fold_tags
 from agents.parser import parse_action
 from agents.templates import PromptTemplate, render_prompt, response_text, template_for
-from agents.tools import parse_tool_call
+from envs.tools import parse_tool_call
 from agents.workers import call_all
 from datapool.records import StepRecord, TrajectoryRecord
 from envs.base import ENVS, Scenario, TextEnv, close_env, make_scenario_env

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from agents.context import ContextView
-from agents.tools import tool_call_text
+from envs.tools import tool_call_text
 
 ToolToAction = Callable[[str, dict], "str | None"]   # (tool name, arguments) -> env action, None if unknown
 ActionToTool = Callable[[str], "tuple[str, dict] | None"]

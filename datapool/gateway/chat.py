@@ -23,8 +23,8 @@ import re
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from agents.tools import parse_tool_call, tool_call_text
 from datapool.records import StepRecord
+from envs.tools import parse_tool_call, tool_call_text
 
 _TOOL_BLOCK = re.compile(r"<tool_call>.*?(?:</tool_call>|$)", re.DOTALL)
 _SENTINEL = "\u2063arlflow-reply\u2063"
@@ -166,7 +166,7 @@ def assistant_reply(text: str, anchor: str, *, parse_tools: bool) -> tuple[str |
     """(content, tool_calls) of the assistant message for generated ``text``.
 
     With tools enabled, every ``<tool_call>{...}</tool_call>`` block (or one bare JSON call) that
-    ``agents.tools.parse_tool_call`` accepts becomes an OpenAI tool call and is cut from the content.
+    ``envs.tools.parse_tool_call`` accepts becomes an OpenAI tool call and is cut from the content.
     """
     if not parse_tools:
         return text, []

@@ -11,7 +11,7 @@ from agents.context import (CLOSE_TAG, CONTEXT_MANAGERS, OPEN_TAG, ContextView, 
                             fold_process_rewards, full_context, get_context_manager, parse_fold_tags, window_context)
 from agents.rollout import env_action
 from agents.templates import DEFAULT_TEMPLATE, TEMPLATES, render_prompt, response_text, template_for
-from agents.tools import openai_tool_call, parse_tool_call, tool_call_text
+from envs.tools import openai_tool_call, parse_tool_call, tool_call_text
 
 
 def turns_from(responses: list[str], progress: list[int | None]) -> list[Turn]:

@@ -2,9 +2,13 @@
 
 A tool env (``terminal``, ``search_qa``) lists its tools as OpenAI function schemas in the class attribute
 ``tools`` and records each call it executes in ``info["tool_call"]`` as ``{"type": "function", "function":
-{"name": ..., "arguments": <JSON string>}}``. A policy may answer either in the env's own short action grammar
-(``search[alps]``) or with a JSON tool call, optionally wrapped in ``<tool_call>...</tool_call>`` (the Hermes/Qwen
-convention); ``parse_tool_call`` reads the latter in all the shapes OpenAI-style runtimes emit. Pure; never raises.
+{"name": ..., "arguments": <JSON string>}}`` (the contract in envs/base.py). A policy may answer either in the env's
+own short action grammar (``search[alps]``) or with a JSON tool call, optionally wrapped in
+``<tool_call>...</tool_call>`` (the Hermes/Qwen convention); ``parse_tool_call`` reads the latter in all the shapes
+OpenAI-style runtimes emit. Pure (no Prefect, MLflow, DVC or file paths); never raises.
+
+It lives in envs/, the lowest layer, because the format belongs to the env contract and every layer above reads it:
+the harness (agents/rollout.py), the prompt templates (agents/templates.py) and the gateway (datapool/gateway/chat.py).
 """
 from __future__ import annotations
 
