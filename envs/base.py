@@ -20,6 +20,19 @@ truncates, ``verbosity`` (``"short"`` default, ``"full"``) sets how much text an
 False, the step still counts). An env whose factory sets ``split_aware = True`` receives the scenario's split as
 ``options["split"]`` (``"train"`` or ``"heldout"``), so its held-out scenarios can differ in kind (unseen layouts),
 not only in seed.
+
+Scenario identity (``scenario_content_key``): two scenarios of one env, under the same constructor kwargs, are *the
+same* when an agent could not tell them apart: every action sequence gives the same observations and rewards. By
+default that is the task text plus the first observation after ``reset`` (right for fully observed, deterministic
+envs such as frozenlake, sokoban, countdown). An env whose first observation hides part of what drives the episode
+(a hidden opponent strategy, a hidden goal, cards, file contents, objects in closed receptacles) defines
+``scenario_key(self) -> str``, called right after ``reset``, returning that whole hidden content. An env whose reset
+is too slow to run for every candidate scenario, and whose content is a pure function of (seed, options, kwargs),
+defines ``scenario_key_before_reset(self, *, seed, options) -> str`` instead (called instead of ``reset``).
+Randomness the dynamics consume while playing (a slippery lake's slips, a random opponent's coin flips) is noise, not
+content: a policy cannot see it before it happens. A key is built from content, never from the scenario's split
+label or seed as such (textworld_cooking, whose content cannot be read without generating its game, and tree_search
+trees too big to list, document the exception they make).
 Pure module: no Prefect, MLflow, DVC or file paths.
 """
 from __future__ import annotations
@@ -115,3 +128,34 @@ def make_scenario_env(scenario: Scenario, **env_kwargs: Any) -> tuple[TextEnv, s
     env = make_env(scenario.env, **env_kwargs)
     obs, info = env.reset(seed=scenario.seed, options=dict(scenario.options))
     return env, obs, info
+
+
+def observation_key(env: TextEnv, observation: str) -> str:
+    """The default content key: the task text and the first observation (see "Scenario identity" above)."""
+    return f"{env.task_description()}\n{observation}"
+
+
+def scenario_content_key(env: TextEnv, scenario: Scenario) -> str:
+    """The content key of ``scenario`` on ``env`` (an instance of ``scenario.env``, built with the kwargs the
+    scenario is played with): the env's ``scenario_key_before_reset``, else ``reset`` then the env's
+    ``scenario_key``, else ``observation_key``. Equal keys mean the same scenario (module docstring)."""
+    before_reset = getattr(env, "scenario_key_before_reset", None)
+    if callable(before_reset):
+        return str(before_reset(seed=scenario.seed, options=dict(scenario.options)))
+    observation, _ = env.reset(seed=scenario.seed, options=dict(scenario.options))
+    custom = getattr(env, "scenario_key", None)
+    return str(custom()) if callable(custom) else observation_key(env, observation)
+
+
+def scenario_content_keys(scenarios: Sequence[Scenario], **env_kwargs: Any) -> list[str]:
+    """``scenario_content_key`` of every scenario (all of one env), on one env instance that is closed after."""
+    names = sorted({s.env for s in scenarios})
+    if len(names) > 1:
+        raise ValueError(f"scenario_content_keys takes scenarios of one env, got {names}: call it once per env")
+    if not names:
+        return []
+    env = make_env(names[0], **env_kwargs)
+    try:
+        return [scenario_content_key(env, scenario) for scenario in scenarios]
+    finally:
+        close_env(env)

@@ -34,10 +34,15 @@ Anchor: the agent's information state, ``[h<k>|]<pos>|<hole>|<board>|<betting>``
 betting one letter per action: c call, r raise, f fold, k check, one ``/``-separated entry per round reached),
 e.g. ``sb|AhKd|Qs7c2d|rc/k``. Equal information states share an anchor whatever the hidden opponent cards are.
 Expert: none (``expert_action()`` is None): a hand-strength heuristic is no solver of the game.
+Scenario key (``scenario_key``): the deal, hidden cards included: opponent, hands, the agent's position, both
+players' hole cards and the five board cards to come (flop sorted). The random opponent's coin flips are noise, not
+content. With ``hands > 1`` the later deals come from rlcard's RNG, so its state joins the key (each seed its own
+match).
 Pure module: no Prefect, MLflow, DVC or file I/O.
 """
 from __future__ import annotations
 
+import hashlib
 from typing import Any, Callable
 
 import numpy as np
@@ -112,6 +117,7 @@ class HoldemText:
         self.invalid_penalty = float(invalid_penalty)
         self._rl: Any = rlcard.make("limit-holdem", config={"seed": 0})
         self._policy: OpponentPolicy = OPPONENT_POLICIES[self.opponent]
+        self._episode_opponent = self.opponent
         self._rng = np.random.default_rng(0)
         self._episode_hands = self.hands
         self._hand = 0  # 1-based number of the hand being played
@@ -138,7 +144,7 @@ class HoldemText:
             raise ValueError(f"holdem: seed must be a non-negative int (rlcard's requirement), got {seed!r}")
         self._rl.seed(int(seed))  # rlcard hashes the seed (sha512): the same deals in every process
         self._rng = np.random.default_rng(np.random.SeedSequence([int(seed), 1]))
-        self._policy = OPPONENT_POLICIES[opponent]
+        self._policy, self._episode_opponent = OPPONENT_POLICIES[opponent], opponent
         self._hand, self._total, self._last_result = 0, 0.0, ""
         self._steps, self._started, self._done, self._won = 0, True, False, False
         self._deal_next_hand()
@@ -177,6 +183,23 @@ class HoldemText:
     def expert_action(self) -> str | None:
         """None: hold'em has no exact solver here (a hand-strength heuristic is not an expert)."""
         return None
+
+    def scenario_key(self) -> str:
+        """The deal (module docstring), read right after ``reset``: ``rule|1|sb|AhKd|7s2c|Qs7c2d|9h|Td``."""
+        if not self._started:
+            raise RuntimeError("holdem: scenario_key() before reset(); call reset(seed=...) first")
+        game = self._rl.game
+        hole, board = self._cards()
+        opp = sort_cards([card_text(c.get_index()) for c in game.players[1].hand])
+        board += [card_text(c.get_index()) for c in reversed(game.dealer.deck)][:5 - len(board)]  # deck pops its end
+        board = sort_cards(board[:3]) + board[3:]
+        pos = "sb" if self._agent_sb else "bb"
+        parts = [self._episode_opponent, str(self._episode_hands), pos, "".join(hole), "".join(opp),
+                 "".join(board[:3]), *board[3:]]
+        if self._episode_hands > 1:
+            state = game.np_random.get_state()
+            parts.append(f"rng {hashlib.sha1(state[1].tobytes()).hexdigest()[:16]}:{state[2]}")
+        return "|".join(parts)
 
     # ----------------------------------------------------------------------------------------- game flow
     def _deal_next_hand(self) -> None:

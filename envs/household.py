@@ -16,6 +16,9 @@ forgiven. Reward 1.0 when the task is done (terminated, ``won``). ``info["subgoa
 of the progress the state shows (e.g. take, heat, put), so it never decreases. The anchor is
 ``<world id>|<location>|<held>|<hash of object places and states, open receptacles, lit lamps>``.
 Splits (``options["split"]``): see envs/household_world.py.
+Scenario key (``scenario_key``): the whole world (rooms, templates, receptacles, lamps, where every object starts,
+hidden ones included, the start room, the task) and the step limit, not the first observation, which shows neither
+the objects nor, in ``short`` verbosity, the task.
 Pure module: no Prefect, MLflow, DVC or file I/O.
 """
 from __future__ import annotations
@@ -298,6 +301,15 @@ class HouseholdText:
         if self.world is None or self._done:
             return None
         return hw.expert_action(self.world, self.state)
+
+    def scenario_key(self) -> str:
+        """The episode's world and step limit (module docstring), read right after ``reset``."""
+        if self.world is None:
+            raise RuntimeError("household: scenario_key() before reset(); call reset(seed=...) first")
+        world = self.world
+        return repr((world.rooms, world.templates, world.receptacles, sorted(world.recep_room.items()),
+                     sorted(world.lamps.items()), sorted(world.initial.items()), world.start_room, world.task,
+                     self._episode_max_steps))
 
     # ----------------------------------------------------------------------------------------- helpers
     def _info(self, *, action_valid: bool) -> dict:

@@ -33,6 +33,10 @@ played, e.g. ``9:rp.ss``. It is the information state: it never names the hidden
 scenario, it pins down the whole state (every opponent depends on the full history, e.g. ``counter_frequent``), so
 a last-k window would merge states whose futures differ.
 Expert: knows the strategy and plays the move that beats the opponent's next move: it wins every round.
+Scenario key (``scenario_key``): the opponent's behaviour, not its label: an opponent that ignores the agent
+(cycle, pattern, biased; copy/beat_last with ``lag`` >= rounds) is its move sequence over the match, so a held-out
+``cycle`` -1 from rock is the same scenario as a train ``pattern`` rock, scissors, paper; a reactive one is its
+strategy, parameters and opening move.
 Pure module: no Prefect, MLflow, DVC or file I/O.
 """
 from __future__ import annotations
@@ -183,6 +187,20 @@ class RockPaperScissorsText:
         if self.opponent is None or self._done:
             return None
         return MOVES[beats(self.opponent.move(self._agent, len(self._agent)))]
+
+    def scenario_key(self) -> str:
+        """The match's opponent behaviour (module docstring), read right after ``reset``."""
+        if self.opponent is None:
+            raise RuntimeError("rps: scenario_key() before reset(); call reset(seed=...) first")
+        opp, rounds = self.opponent, self._match_rounds
+        if opp.strategy in ("cycle", "pattern", "biased") or (opp.strategy in ("copy", "beat_last")
+                                                             and opp.lag >= rounds):
+            return f"{rounds}:fixed:" + "".join(MOVES[opp.move([], r)][0] for r in range(rounds))
+        if opp.strategy in ("copy", "beat_last"):
+            detail = f"lag {opp.lag}"
+        else:  # counter_frequent: a window as long as the history it can see is the whole history
+            detail = f"window {opp.window if 0 < opp.window < rounds - 1 else 0}"
+        return f"{rounds}:{opp.strategy}:{detail}:opening {MOVES[opp.opening]}"
 
     # ----------------------------------------------------------------------------------------- helpers
     def _score(self) -> tuple[int, int]:

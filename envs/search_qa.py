@@ -28,6 +28,8 @@ documents are searchable in both splits, and a held-out entity can be the bridge
 ("the founder of <train company>" may be a held-out person), so closed-book memorisation of train answers can
 help on held-out questions.
 
+Scenario key (``scenario_key``): the question, its gold answer (it sets the reward) and whether tools are on.
+
 The BM25 index is built once per process, on first use (``search_index()``, cached). Pure module: package data
 only, no Prefect, MLflow, DVC or file paths.
 """
@@ -263,6 +265,12 @@ class SearchQA:
             if self._snippet(search_index().position[doc_id], query) not in self._shown and query not in self._queries:
                 return f"search[{query}]"
         return answer
+
+    def scenario_key(self) -> str:
+        """Question, gold answer and tools on/off (module docstring), read right after ``reset``."""
+        if self._question is None:
+            raise RuntimeError("search_qa: scenario_key() before reset(); call reset(seed=...) first")
+        return f"{self._question['question']}|{self._question['answer']}|tools {self.tools_enabled}"
 
     # ----------------------------------------------------------------------------------------- helpers
     def _set_tools(self) -> None:

@@ -12,6 +12,8 @@ observation says why, nothing ran). A command that runs and fails is valid with 
 chain whose later segment is refused has already run its earlier segments (it is still invalid).
 How commands are contained is in ``terminal_sandbox`` (threat model in its docstring); ``info["sandbox"]`` says which
 protections are active. ``admissible_actions`` is not set: free-form commands cannot be enumerated.
+Scenario key (``scenario_key``): the task (template, instruction, every file's path and text, solution), not the
+first observation, which lists only the top-level names.
 """
 from __future__ import annotations
 
@@ -167,6 +169,13 @@ class TerminalEnv:
             return f"cd {VIRTUAL_ROOT}"
         solution = self._task.solution
         return solution[self._expert_pos] if self._expert_pos < len(solution) else None
+
+    def scenario_key(self) -> str:
+        """The episode's task (module docstring), read right after ``reset``."""
+        if self._task is None:
+            raise RuntimeError("terminal: scenario_key() before reset(); call reset(seed=...) first")
+        task = self._task
+        return repr((task.template, task.text, sorted(task.files.items()), task.solution, self.max_steps))
 
     def close(self) -> None:
         """Remove this episode's sandbox directory (also done on reset and when the env is garbage collected)."""

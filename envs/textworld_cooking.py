@@ -13,6 +13,11 @@ Rewards: the increase of TextWorld's cumulative score / max score, so a won epis
 is a subgoal: take an ingredient, cook or cut it, prepare the meal, eat it); ``subgoals_done``/``subgoals_total``
 are score/max score. TextWorld's ``won``/``lost`` terminate. Games run in-process (Jericho loads a private copy of
 the frotz library per env, about 2 MiB each); ``close()`` frees one.
+
+Scenario key (``scenario_key_before_reset``): ``<settings tag>:<tw split>:<seed>:<max_steps>``, no game generated
+(making one takes seconds). A game is a pure function of these, so the key treats seed-distinct games as distinct
+without reading them; TextWorld's ``valid``/``test`` recipes use (food, preparation) pairs its ``train`` split never
+uses, but for five staples (salt, black pepper, olive oil, flour, water: raw, uncut) both allow.
 """
 from __future__ import annotations
 
@@ -388,6 +393,13 @@ class TextWorldCooking:
         if policy and policy[0] in admissible:
             return policy[0]
         return None
+
+    def scenario_key_before_reset(self, *, seed: int | None = None, options: dict | None = None) -> str:
+        """The key of the game ``reset(seed=seed, options=options)`` would play, without generating it (module
+        docstring)."""
+        options = check_reset_options("textworld_cooking", options, RESET_OPTIONS)
+        split = self.settings.tw_split(options.get("split", "train"))
+        return f"{self.settings.tag}:{split}:{0 if seed is None else int(seed)}:max_steps {self.max_steps}"
 
     def close(self) -> None:
         """Free the game (TextWorld's interpreter); reset() starts it again."""

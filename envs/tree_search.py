@@ -21,6 +21,9 @@ Reward 1.0 on reaching the goal leaf (terminates, ``won``); 0.0 otherwise. ``max
 
 Depth curriculum: reset options ``min_depth`` and ``max_depth`` (together) draw the depth per seed, uniformly in
 ``[min_depth, max_depth]``; or pass ``depth`` for a fixed one. Anchor: tree id (seed, shape, accuracy) + node path.
+Scenario key (``scenario_key``): the whole tree an agent can explore: shape, step limit, goal leaf and the ``high``
+child of every inner node (hints are fixed per node, so they are content). A tree of more than ``KEY_MAX_NODES``
+inner nodes is keyed by its tree id instead: a repeat of that many independent hints is beyond chance.
 Pure module: no Prefect, MLflow, DVC or file I/O.
 """
 from __future__ import annotations
@@ -34,6 +37,7 @@ from envs.base import check_reset_options, register_env
 RESET_OPTIONS: tuple[str, ...] = ("depth", "branching", "min_depth", "max_depth")
 VERBOSITIES: tuple[str, ...] = ("short", "full")
 MAX_BRANCHING = 9  # child numbers stay single digits
+KEY_MAX_NODES = 4096  # scenario_key lists every inner node's hint up to this many inner nodes
 _GOAL, _HINT, _DEPTH = 0, 1, 2  # first seed words after the seed, so goal, hint and depth draws never share a stream
 
 Path = tuple[int, ...]
@@ -153,6 +157,21 @@ class TreeSearchText:
         if not self._tree_id or self._done:
             return None
         return expert_path(self._node, self._goal)[0]
+
+    def scenario_key(self) -> str:
+        """Shape, step limit, goal and every inner node's hint, in breadth-first order (module docstring)."""
+        if not self._tree_id:
+            raise RuntimeError("tree_search: scenario_key() before reset(); call reset(seed=...) first")
+        head = f"{self._k}:{self._d}:{self._limit}:{path_name(self._goal)}"
+        if sum(self._k ** level for level in range(self._d)) > KEY_MAX_NODES:
+            return f"{head}:tree {self._tree_id}"
+        level: list[Path] = [()]
+        hints = []
+        for _ in range(self._d):
+            hints.append("".join(str(draw_hint(self._seed, path, self._goal, self._k, self.hint_accuracy))
+                                 for path in level))
+            level = [path + (i,) for path in level for i in range(1, self._k + 1)]
+        return f"{head}:" + "/".join(hints)
 
     # ----------------------------------------------------------------------------------------- helpers
     def _hint(self, path: Path) -> int:
