@@ -1,10 +1,13 @@
-"""The batched multi-turn rollout loop, expert demonstrations for warm-start SFT, and rollout summaries.
+"""The batched multi-turn rollout loop, its skill slot (SkillQuery, SkillSlot, SkillsFor), and rollout summaries.
 
 All live episodes advance together: one ``engine.generate`` call per turn over every live episode's prompt, then
 every env steps in a thread pool with a per-call timeout (agents/workers.py). An env that raises or hangs fails
 only its own episode (status ``"failed"``, ``error`` says why). The ids in each StepRecord are exactly the ids fed
 to and sampled by the engine: responses are decoded for parsing only, never re-tokenized. Each env gets its own
 prompt template (agents/templates.py); the context manager (agents/context.py) decides what history a prompt shows.
+Each StepRecord is complete when it is made (the fold process reward, and the plain prompt and macro sub-steps
+internalization reads, included) and never changed afterwards. Expert demonstrations for warm-start SFT, built
+with the same prompts, are in agents/demos.py.
 """
 from __future__ import annotations
 
@@ -17,16 +20,15 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 from tqdm.auto import tqdm
 
-from agents.context import Turn, expert_fold_response, fold_process_rewards, get_context_manager, parse_fold_tags
+from agents.context import Turn, fold_process_rewards, get_context_manager, parse_fold_tags
 from agents.parser import parse_action
 from agents.templates import PromptTemplate, render_prompt, response_text, template_for
 from envs.tools import parse_tool_call
 from agents.workers import call_all
 from datapool.records import StepRecord, TrajectoryRecord
 from envs.base import ENVS, Scenario, TextEnv, close_env, make_scenario_env
-from envs.scenarios import expert_steps
 from models.engine import Engine, Generation, SamplingParams
-from skills.mdl import bind_macro_arguments, macro_slots, match_macro
+from skills.mdl import bind_macro_arguments
 
 @dataclass(frozen=True)
 class SkillQuery:
@@ -78,7 +80,6 @@ class _Episode:
     skill_tokens_total: int = 0    # summed over the episode's turns
     macros: Mapping[str, Sequence[str]] = field(default_factory=dict)   # executable macros of the current slot
     macro_calls: int = 0
-    trace: list[dict] = field(default_factory=list)   # per step: plain prompt ids and macro sub-steps (SIRI data)
     status: str | None = None      # None while live
     error: str | None = None
     ended_at: float = 0.0
@@ -103,8 +104,10 @@ def run_episodes(engine: Engine, tokenizer: Any, scenarios: list[Scenario], *, g
         raise ValueError(f"group_size must be >= 1, got {group_size}")
     if history_turns < 0:
         raise ValueError(f"history_turns must be >= 0, got {history_turns}")
+    if process_alpha < 0:
+        raise ValueError(f"process_alpha must be >= 0, got {process_alpha}")
     manager = get_context_manager(context)
-    kwargs_by_env = _check_env_kwargs(env_kwargs)
+    kwargs_by_env = check_env_kwargs(env_kwargs)
     policy_version = str(engine.policy_version)
     started_at = time.monotonic()
 
@@ -120,7 +123,7 @@ def run_episodes(engine: Engine, tokenizer: Any, scenarios: list[Scenario], *, g
                            for ep in episodes], workers=workers, timeout_s=step_timeout_s)
         for ep, (value, error) in zip(episodes, resets):
             if error is not None:
-                _finish(ep, "failed", bar, error=f"env reset failed: {error}", alpha=process_alpha, fold=False)
+                _finish(ep, "failed", bar, error=f"env reset failed: {error}")
             else:
                 ep.env, ep.task, ep.observation, ep.info = value
 
@@ -130,13 +133,13 @@ def run_episodes(engine: Engine, tokenizer: Any, scenarios: list[Scenario], *, g
         while live:
             if turn >= max_turns:
                 for ep in live:
-                    _finish(ep, "truncated", bar, error=None, alpha=process_alpha, fold=fold)
+                    _finish(ep, "truncated", bar, error=None)
                 break
             if skills_for is not None and (turn == 0 or skills_per_step):
                 for ep in live:
                     _fill_skill_slot(ep, skills_for, turn, tokenizer)
             prompts = [render_prompt(ep.template, ep.task, manager(ep.turns, history_turns), ep.observation,
-                                     admissible=_with_macros(ep.info.get("admissible_actions"), ep.macros),
+                                     admissible=with_macros(ep.info.get("admissible_actions"), ep.macros),
                                      skills_text=ep.skills_text)
                        for ep in live]
             prompt_ids = [tokenizer.encode(p, add_special_tokens=False) for p in prompts]
@@ -158,22 +161,21 @@ def run_episodes(engine: Engine, tokenizer: Any, scenarios: list[Scenario], *, g
             for ep, prompt, ids, gen, text, (_, action), (value, error) in zip(
                     live, prompts, prompt_ids, generations, texts, parsed, outcomes):
                 if error is not None:
-                    _finish(ep, "failed", bar, error=f"env step {len(ep.steps)} failed: {error}",
-                            alpha=process_alpha, fold=fold)
+                    _finish(ep, "failed", bar, error=f"env step {len(ep.steps)} failed: {error}")
                     continue
                 obs, reward, terminated, truncated, info = value
                 valid = bool(info.get("action_valid", True)) and action != ""
                 shown = action if valid else text.strip()
-                ep.trace.append(_trace_entry(ep, manager, history_turns, tokenizer, info.pop(_MACRO_TRACE, None)))
+                trace = _skill_trace(ep, manager, history_turns, tokenizer, info.pop(_MACRO_TRACE, None))
                 ep.macro_calls += action in ep.macros
                 ep.turns.append(Turn(ep.observation, text, shown, ep.info.get("subgoals_done")))
+                process = _process_reward(ep.turns, process_alpha) if fold else 0.0
                 ep.steps.append(_step_record(ep, ids, gen, prompt, text, action if valid else "", float(reward),
-                                             valid, policy_version, context, info))
+                                             valid, policy_version, context, info, process, trace))
                 ep.skill_tokens_total += ep.skill_tokens
                 ep.observation, ep.info = obs, info
                 if terminated or truncated:
-                    _finish(ep, "complete" if terminated else "truncated", bar, error=None, alpha=process_alpha,
-                            fold=fold)
+                    _finish(ep, "complete" if terminated else "truncated", bar, error=None)
             live = [ep for ep in live if ep.status is None]
             turn += 1
 
@@ -216,34 +218,47 @@ def _run_macro(env: TextEnv, actions: list[str], observation: str, info: dict
     return observation, total, terminated, truncated, {**info, _MACRO_TRACE: sub}
 
 
-def _with_macros(admissible: Sequence[str] | None, macros: Mapping[str, Sequence[str]]) -> Sequence[str]:
+def with_macros(admissible: Sequence[str] | None, macros: Mapping[str, Sequence[str]]) -> Sequence[str]:
     """The admissible actions shown, plus the slot-free macro keywords (callable as they are)."""
     if not admissible or not macros:
         return admissible or ()
     return list(admissible) + [k for k, steps in macros.items() if "{" not in "".join(steps)]
 
 
-def _trace_entry(ep: _Episode, manager, history_turns: int, tokenizer: Any,
-                 macro_steps: list[tuple[str, tuple[str, ...], str]] | None) -> dict:
+SkillTrace = tuple[list[int], list[list[int]], list[list[int]]]
+"""(plain_prompt_ids, macro_prompt_ids, macro_action_ids) of one step: the StepRecord fields SIRI reads."""
+
+
+def _skill_trace(ep: _Episode, manager, history_turns: int, tokenizer: Any,
+                 macro_steps: list[tuple[str, tuple[str, ...], str]] | None) -> SkillTrace:
     """What internalization (SIRI) needs of one step taken with skills in the prompt: the prompt WITHOUT the skill
-    slot, and for a macro each sub-step's plain prompt and action tokens."""
+    slot, and for a macro each sub-step's plain prompt and action tokens. Nothing for a skill-free prompt."""
     if not ep.skills_text:
-        return {}
+        return [], [], []
     plain = render_prompt(ep.template, ep.task, manager(ep.turns, history_turns), ep.observation,
                           admissible=ep.info.get("admissible_actions") or ())
-    entry: dict[str, Any] = {"plain_prompt_ids": tokenizer.encode(plain, add_special_tokens=False)}
+    prompts: list[list[int]] = []
+    actions: list[list[int]] = []
     if macro_steps:
         eos = getattr(tokenizer, "eos_token_id", None)
-        turns, subs = list(ep.turns), []
+        turns = list(ep.turns)
         for observation, admissible, action in macro_steps:
             prompt = render_prompt(ep.template, ep.task, manager(turns, history_turns), observation,
                                    admissible=admissible)
             ids = tokenizer.encode(response_text(action, template=ep.template), add_special_tokens=False)
-            subs.append({"prompt_ids": tokenizer.encode(prompt, add_special_tokens=False),
-                         "action_ids": ids + ([eos] if eos is not None else [])})
+            prompts.append(tokenizer.encode(prompt, add_special_tokens=False))
+            actions.append(ids + ([eos] if eos is not None else []))
             turns.append(Turn(observation, " " + action, action, None))
-        entry["macro"] = subs
-    return entry
+    return tokenizer.encode(plain, add_special_tokens=False), prompts, actions
+
+
+def _process_reward(turns: Sequence[Turn], alpha: float) -> float:
+    """The fold process reward of the last of ``turns`` (the step being recorded). It depends on the turns so far
+    only, and is 0 unless the turn opens or closes a subgoal, so only such turns pay for scoring the episode."""
+    last = turns[-1].response
+    if "<done>" not in last and "<subgoal>" not in last:
+        return 0.0
+    return fold_process_rewards(turns, alpha)[-1]
 
 
 def env_action(text: str, info: dict, template: PromptTemplate, *, fold: bool = False) -> tuple[str, str]:
@@ -266,88 +281,6 @@ def env_action(text: str, info: dict, template: PromptTemplate, *, fold: bool = 
         action, valid = parse_action(rest, admissible)
         return (action, action) if valid else (rest.strip(), "")
     return rest.strip(), rest.strip()
-
-
-def expert_demonstrations(tokenizer: Any, scenarios: list[Scenario], *, context: str = "window",
-                          history_turns: int = 0, skills_for: SkillsFor | None = None,
-                          env_kwargs: EnvKwargs | None = None, require_win: bool = True,
-                          tool_format: str = "text", skills_per_step: bool = False, call_macros: bool = False
-                          ) -> list[tuple[list[int], list[int]]]:
-    """(prompt ids, response ids) per expert step of every scenario, for warm-start SFT.
-
-    Prompts are built exactly as in ``run_episodes``; a response is ``" " + action`` followed by eos (with fold,
-    the expert opens and closes the env's own subgoals with tags; with ``tool_format="openai"`` tool envs' actions
-    are written as JSON tool calls). Raises ValueError for a scenario the env's solver cannot solve.
-    """
-    eos = getattr(tokenizer, "eos_token_id", None)
-    if eos is None:
-        raise ValueError("the tokenizer has no eos_token_id: set one (e.g. eos_token='<|endoftext|>') so responses "
-                         "can end")
-    pairs: list[tuple[list[int], list[int]]] = []
-    for prompt, response in expert_texts(scenarios, context=context, history_turns=history_turns,
-                                         skills_for=skills_for, env_kwargs=env_kwargs, require_win=require_win,
-                                         tool_format=tool_format, skills_per_step=skills_per_step,
-                                         call_macros=call_macros):
-        pairs.append((tokenizer.encode(prompt, add_special_tokens=False),
-                      tokenizer.encode(response, add_special_tokens=False) + [eos]))
-    return pairs
-
-
-def expert_texts(scenarios: Sequence[Scenario], *, context: str = "window", history_turns: int = 0,
-                 skills_for: SkillsFor | None = None, env_kwargs: EnvKwargs | None = None,
-                 require_win: bool = True, tool_format: str = "text", skills_per_step: bool = False,
-                 call_macros: bool = False) -> list[tuple[str, str]]:
-    """(prompt text, response text) per expert step: what ``expert_demonstrations`` tokenizes.
-
-    With ``call_macros`` (not with fold), whenever a macro in the skill slot instantiates to the expert's next
-    actions, the demonstration calls it instead (``" skill 1 apple 1 fridge 1"``) and continues after them: the
-    policy learns to call a shown macro when it is what it would do anyway (skills/mdl.py match_macro).
-    """
-    manager = get_context_manager(context)
-    kwargs_by_env = _check_env_kwargs(env_kwargs)
-    out: list[tuple[str, str]] = []
-    for scenario in scenarios:
-        template = template_for(scenario.env)
-        slot = SkillSlot("")
-        turns: list[Turn] = []
-        open_index: int | None = None
-        steps = list(expert_steps(scenario, require_win=require_win, **kwargs_by_env.get(scenario.env, {})))
-        position, turn = 0, 0
-        while position < len(steps):
-            step = steps[position]
-            if skills_for is not None and (turn == 0 or skills_per_step):
-                slot = as_slot(skills_for(SkillQuery(scenario, step.task, step.observation, turn)))
-            call = (_expert_macro_call(slot.macros, [s.action for s in steps[position:]])
-                    if call_macros and context != "fold" else None)
-            prompt = render_prompt(template, step.task, manager(turns, history_turns), step.observation,
-                                   admissible=_with_macros(step.info.get("admissible_actions"), slot.macros),
-                                   skills_text=slot.text)
-            if call is not None:
-                keyword, arguments, length = call
-                response, shown = " " + " ".join([keyword, *arguments]), keyword
-            else:
-                response = response_text(step.action, tool_format=tool_format, template=template)
-                shown, length = step.action, 1
-                names, done = step.info.get("subgoals"), step.info.get("subgoals_done")
-                if context == "fold" and names and done is not None:
-                    tagged, open_index = expert_fold_response(response.strip(), names, int(done), open_index)
-                    response = " " + tagged
-            out.append((prompt, response))
-            turns.append(Turn(step.observation, response, shown, step.info.get("subgoals_done")))
-            position += length
-            turn += 1
-    return out
-
-
-def _expert_macro_call(macros: Mapping[str, Sequence[str]], upcoming: Sequence[str]
-                       ) -> tuple[str, list[str], int] | None:
-    """(keyword, arguments, steps covered) of the longest shown macro that instantiates to the next actions."""
-    for keyword, macro in sorted(macros.items(), key=lambda item: (-len(item[1]), item[0])):
-        if len(macro) <= len(upcoming):
-            bindings = match_macro(list(macro), list(upcoming[:len(macro)]))
-            if bindings is not None:
-                return keyword, [bindings[slot] for slot in macro_slots(list(macro))], len(macro)
-    return None
 
 
 def summarize(trajectories: Sequence[TrajectoryRecord]) -> dict[str, float]:
@@ -374,7 +307,8 @@ def summarize(trajectories: Sequence[TrajectoryRecord]) -> dict[str, float]:
 
 
 # --------------------------------------------------------------------------------------------------- helpers
-def _check_env_kwargs(env_kwargs: EnvKwargs | None) -> dict[str, dict[str, Any]]:
+def check_env_kwargs(env_kwargs: EnvKwargs | None) -> dict[str, dict[str, Any]]:
+    """``env_kwargs`` as plain dicts, after checking every key is a registered env mapped to a mapping of kwargs."""
     env_kwargs = env_kwargs or {}
     unknown = sorted(str(name) for name, values in env_kwargs.items()
                      if name not in ENVS or not isinstance(values, Mapping))
@@ -411,22 +345,24 @@ def _turn_seed(base: int, round_index: int, turn: int) -> int:
 
 
 def _step_record(ep: _Episode, prompt_ids: list[int], gen: Generation, prompt: str, text: str, action: str,
-                 reward: float, valid: bool, policy_version: str, context: str, info: dict) -> StepRecord:
+                 reward: float, valid: bool, policy_version: str, context: str, info: dict, process_reward: float,
+                 trace: SkillTrace) -> StepRecord:
+    """The step as stored: complete when made (its process reward and skill trace included), never changed."""
     tool_call = info.get("tool_call")
+    plain_prompt_ids, macro_prompt_ids, macro_action_ids = trace
     return StepRecord(
         trajectory_id=ep.trajectory_id, group_id=ep.group_id, step_index=len(ep.steps), prompt_ids=list(prompt_ids),
         response_ids=list(gen.token_ids), logprobs=list(gen.logprobs), prompt_text=prompt,
         observation=ep.observation, action=action, response_text=text, reward=reward,
         anchor=str(ep.info.get("anchor", "")), policy_version=policy_version, action_valid=valid,
         truncated=gen.finish_reason == "length", skill_ids=list(ep.skill_ids), context_manager=context,
-        tool_calls=1 if tool_call else 0, tool_successes=1 if tool_call and info.get("tool_success") else 0)
+        tool_calls=1 if tool_call else 0, tool_successes=1 if tool_call and info.get("tool_success") else 0,
+        process_reward=process_reward, plain_prompt_ids=plain_prompt_ids, macro_prompt_ids=macro_prompt_ids,
+        macro_action_ids=macro_action_ids)
 
 
-def _finish(ep: _Episode, status: str, bar: tqdm, *, error: str | None, alpha: float, fold: bool) -> None:
+def _finish(ep: _Episode, status: str, bar: tqdm, *, error: str | None) -> None:
     ep.status, ep.error, ep.ended_at = status, error, time.monotonic()
-    if fold and ep.turns:
-        for step, process_reward in zip(ep.steps, fold_process_rewards(ep.turns, alpha)):
-            step.process_reward = process_reward
     try:
         close_env(ep.env)
     except Exception as err:  # noqa: BLE001  (a failing close must not lose the episode's data)
@@ -444,6 +380,5 @@ def _trajectory_record(ep: _Episode, round_index: int, policy_version: str, star
         metadata={"scenario_id": ep.scenario.scenario_id, "episode_index": ep.index, "skill_ids": ep.skill_ids,
                   "prompt_tokens": sum(len(s.prompt_ids) for s in ep.steps), "turns": len(ep.steps),
                   "skill_prompt_tokens": ep.skill_tokens_total, "macro_calls": ep.macro_calls,
-                  "skill_trace": ep.trace,
                   "context_manager": ep.steps[0].context_manager if ep.steps else ""},
         steps=ep.steps)

@@ -16,7 +16,7 @@ import torch
 from agents.prompts import build_prompt
 from envs.base import make_scenario_env
 from envs.scenarios import make_scenarios
-from models.build import build_model, train_tokenizer
+from models.build import TinyModelConfig, build_model, train_tokenizer
 from models.engine import SamplingParams
 from models.hf_engine import TransformersEngine
 
@@ -38,8 +38,7 @@ def main() -> None:
     torch.manual_seed(0)
     corpus = [build_prompt("Reach G without stepping on H.", "P F F F\nF H F H\nF F F H\nH F F G") + " left"] * 50
     tokenizer = train_tokenizer(corpus, 300)
-    model = build_model("qwen2", tokenizer, hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
-                        intermediate_size=384, max_position_embeddings=512, seed=0).eval()
+    model = build_model(tokenizer, TinyModelConfig(arch="qwen2", hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=384, max_position_embeddings=512), seed=0).eval()
     prompts = prompts_for(tokenizer, args.batch)
     engine = TransformersEngine(model, tokenizer, policy_version="bench")
     sampling = SamplingParams(max_new_tokens=args.new_tokens, temperature=1.0, seed=0)

@@ -2,8 +2,8 @@
 
     .venv/bin/python benchmarks/env_suite.py [--scenarios 100] [--envs household sokoban ...] [--seed 0]
 
-For every registered env (or ``--envs``), ``--scenarios`` held-out scenarios (``make_scenarios(env, "heldout", n,
-seed)``, default env kwargs) are played by:
+For every registered env (or ``--envs``), ``--scenarios`` held-out scenarios, chosen as bootstrap chooses them
+(``unseen_heldout``: none equal in content to one of ``--train`` train scenarios, default env kwargs), are played by:
 - expert: the env's own solver (``expert_steps``, require_win=False); "-" where the env has none (holdem);
 - random: a uniformly random admissible action each step (seeded); "-" for free-form envs without admissible actions
   (terminal, search_qa), where "random" has no meaning (only the observation characters are measured there);
@@ -22,10 +22,11 @@ from pathlib import Path
 import torch
 
 import envs  # noqa: F401  (registers every env)
-from agents.rollout import expert_texts, run_episodes, summarize
+from agents.demos import expert_texts
+from agents.rollout import run_episodes, summarize
 from envs.base import ENVS, close_env, make_scenario_env
-from envs.scenarios import expert_steps, make_scenarios
-from models.build import build_model, train_tokenizer
+from envs.scenarios import expert_steps, make_scenarios, unseen_heldout
+from models.build import TinyModelConfig, build_model, train_tokenizer
 from models.engine import SamplingParams
 from models.hf_engine import TransformersEngine
 
@@ -78,8 +79,7 @@ def untrained_success(name: str, scenarios, seed: int) -> dict:
     except ValueError:  # no expert: random play text is enough for a tokenizer
         corpus = [make_scenario_env(s)[1] for s in corpus_scenarios]
     tokenizer = train_tokenizer(corpus, 512)
-    model = build_model("qwen2", tokenizer, hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
-                        intermediate_size=384, max_position_embeddings=2048, seed=seed).eval()
+    model = build_model(tokenizer, TinyModelConfig(arch="qwen2", hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=384, max_position_embeddings=2048), seed=seed).eval()
     engine = TransformersEngine(model, tokenizer, policy_version="untrained")
     trajectories = run_episodes(engine, tokenizer, scenarios, group_size=1, progress=False, seed=seed,
                                 sampling=SamplingParams(max_new_tokens=16, temperature=1.0, seed=seed))
@@ -91,6 +91,7 @@ def main() -> None:
     parser.add_argument("--scenarios", type=int, default=100)
     parser.add_argument("--envs", nargs="*", default=None)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--train", type=int, default=512, help="train scenarios the held-out ones must differ from")
     parser.add_argument("--out", type=Path, default=RESULTS_PATH)
     args = parser.parse_args()
     torch.manual_seed(args.seed)
@@ -98,7 +99,8 @@ def main() -> None:
     rows = {}
     for name in names:
         started = time.perf_counter()
-        scenarios = make_scenarios(name, "heldout", args.scenarios, seed=args.seed)
+        train = make_scenarios(name, "train", args.train, seed=args.seed)
+        scenarios = unseen_heldout(name, train, args.scenarios, args.seed).scenarios
         expert, expert_steps_mean = expert_success(scenarios)
         rand, obs_chars = random_success(scenarios, args.seed)
         untrained = untrained_success(name, scenarios, args.seed)

@@ -46,7 +46,7 @@ def main() -> None:
         for advantage in ("grpo", "gigpo"):
             project = Layout(work / f"seed{seed}-{advantage}")
             shutil.copytree(shared.root, project.root)
-            params = parse_params({**raw, "train": {**raw["train"], "advantage": advantage}})
+            params = parse_params({**raw, "train": {**raw["train"], "advantage": {**raw["train"]["advantage"], "name": advantage}}})
             started = time.perf_counter()
             run_stage_functions(params, project, include=("rollout", "validate", "train"))
             engine = load_engine(project.policy(f"round_{args.rounds}"), advantage, advantage)

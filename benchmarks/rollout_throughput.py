@@ -31,11 +31,12 @@ from pathlib import Path
 import torch
 
 from agents.context import get_context_manager
-from agents.rollout import env_action, expert_texts, run_episodes
+from agents.demos import expert_texts
+from agents.rollout import env_action, run_episodes
 from agents.templates import render_prompt, template_for
 from envs.base import make_scenario_env
 from envs.scenarios import make_scenarios
-from models.build import build_model, train_tokenizer
+from models.build import TinyModelConfig, build_model, train_tokenizer
 from models.engine import SamplingParams
 from models.hf_engine import TransformersEngine
 
@@ -73,8 +74,7 @@ def measure(env: str, args: argparse.Namespace) -> dict:
     episodes = [s for s in scenarios for _ in range(args.group_size)]  # what the naive loop plays, in order
     corpus = [p + r for p, r in expert_texts(make_scenarios(env, "train", 100, seed=1))]
     tokenizer = train_tokenizer(corpus, 384)
-    model = build_model("qwen2", tokenizer, hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
-                        intermediate_size=384, max_position_embeddings=1024, seed=0).eval()
+    model = build_model(tokenizer, TinyModelConfig(arch="qwen2", hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=384, max_position_embeddings=1024), seed=0).eval()
     engine = TransformersEngine(model, tokenizer, policy_version="bench")
     sampling = SamplingParams(max_new_tokens=args.new_tokens, temperature=1.0, seed=0)
 

@@ -10,7 +10,7 @@ and the same per-sequence advantages (group-normalized random rewards), the same
 token mean = TRL's "dapo" loss, no KL: beta=0), fp32, torch AdamW at the same lr, global grad-norm clipping at 1.0,
 and the batch is split into `--optimizer-steps` equal micro-batches with one optimizer step each (default 1).
 
-- ours: wall time of `rl_update(engine, rows, micro_batch_size=batch // steps, epochs=1)`: collate, a no-grad forward
+- ours: wall time of `rl_update(engine, rows, loss=LossConfig(), update=UpdateConfig(epochs=1, micro_batch_size=batch // steps))`: collate, a no-grad forward
   recomputing the old log-probs, then per micro-batch the forward (full [b, l, V] logits) with log-prob gather,
   PPO-clip loss, entropy metric, `engine.backward`, grad-norm metric and `engine.step` (clip + AdamW).
 - TRL: wall time of what `Trainer._run_epoch` does for the same optimizer steps: per step `trainer.training_step`
@@ -72,8 +72,11 @@ from datasets import Dataset
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from trl import GRPOConfig, GRPOTrainer
 
-from models.build import build_model, count_parameters, save_policy, train_tokenizer
-from models.trainer import TrainRow, make_ds_engine, rl_update
+from models.build import TinyModelConfig, build_model, count_parameters, save_policy, train_tokenizer
+from models.batching import TrainRow, UpdateConfig
+from models.ds_engine import OptimizerConfig, make_ds_engine
+from models.losses import LossConfig
+from models.trainer import rl_update
 
 RESULTS_PATH = Path(__file__).resolve().parent / "results" / "train_throughput.json"
 SYLLABLES = ["ka", "lo", "mi", "ne", "ru", "sa", "ti", "vo", "ze", "pu", "go", "fa", "de", "bi", "xo", "wa"]
@@ -172,11 +175,7 @@ def trl_inputs(batch: FixedBatch, pad_id: int) -> dict[str, torch.Tensor]:
 def build_policy_folder(cfg: BenchConfig, folder: Path) -> tuple[int, int]:
     """Trains the tokenizer, builds the model once and saves both; returns (vocabulary size, parameter count)."""
     tokenizer = train_tokenizer(synthetic_corpus(40_000, cfg.seed), cfg.vocab_size)
-    model = build_model(
-        "qwen2", tokenizer, hidden_size=cfg.hidden_size, num_layers=cfg.num_layers, num_heads=cfg.num_heads,
-        num_kv_heads=cfg.num_kv_heads, intermediate_size=cfg.intermediate_size,
-        max_position_embeddings=2 * (cfg.prompt_len + cfg.completion_len), seed=cfg.seed,
-    )
+    model = build_model(tokenizer, TinyModelConfig(arch="qwen2", hidden_size=cfg.hidden_size, num_layers=cfg.num_layers, num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, intermediate_size=cfg.intermediate_size, max_position_embeddings=2 * (cfg.prompt_len + cfg.completion_len)), seed=cfg.seed)
     save_policy(model, tokenizer, folder)
     return len(tokenizer), count_parameters(model)
 
@@ -187,12 +186,11 @@ def load_model(folder: Path):
 
 def make_ours(cfg: BenchConfig, folder: Path, batch: FixedBatch, pad_id: int) -> tuple[torch.nn.Module, Callable]:
     """Our DeepSpeed engine and a function running one `rl_update` on the batch."""
-    engine = make_ds_engine(load_model(folder), lr=cfg.lr, zero_stage=0, micro_batch_size=cfg.micro_batch)
+    engine = make_ds_engine(load_model(folder), OptimizerConfig(lr=cfg.lr, zero_stage=0), micro_batch_size=cfg.micro_batch)
     rows = [TrainRow(p, c, None, a) for p, c, a in zip(batch.prompts, batch.completions, batch.advantages)]
 
     def update() -> None:
-        rl_update(engine, rows, pad_id=pad_id, micro_batch_size=cfg.micro_batch, epochs=1,
-                  clip_low=0.2, clip_high=0.2, seed=0)
+        rl_update(engine, rows, pad_id=pad_id, seed=0, loss=LossConfig(clip_low=0.2, clip_high=0.2), update=UpdateConfig(epochs=1, micro_batch_size=cfg.micro_batch))
 
     return engine.module, update
 

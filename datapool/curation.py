@@ -9,19 +9,15 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import pandas as pd
 from sqlalchemy import and_, case, exists, func, insert, select, update
 from sqlalchemy.engine import Connection
 
 from datapool.records import TRAJECTORY_STATUSES, is_int, is_real
-from datapool.tables import CurationRow, StepRow, TrajectoryRow
+from datapool.tables import STEPS, TRAJECTORIES, TRAJECTORY_COLUMNS, CurationRow
 
-TRAJECTORY_COLUMNS: tuple[str, ...] = (
-    "trajectory_id", "group_id", "scenario", "env", "split", "round", "policy_version", "status",
-    "episode_return", "won", "num_steps", "response_tokens", "wall_time_s", "error", "metadata",
-)
-
-T = TrajectoryRow.__table__
-S = StepRow.__table__
+T = TRAJECTORIES
+S = STEPS
 C = CurationRow.__table__
 
 STEP_FLAGS = {
@@ -107,6 +103,22 @@ def excluded_targets(conn: Connection) -> tuple[set[str], set[tuple[str, int]]]:
         else:
             steps.add((row.trajectory_id, row.step_index))
     return trajs, steps
+
+
+CURATION_FRAME_COLUMNS = ("trajectory_id", "step_index", "excluded", "label", "note")
+"""One row per curated target; step_index -1 is the trajectory itself."""
+
+
+def curation_rows(conn: Connection, *, round: int | None = None) -> list[dict[str, Any]]:
+    """Every curation row (of trajectories of ``round``, when given) as CURATION_FRAME_COLUMNS, sorted by
+    (trajectory_id, step_index): the same curation always gives the same rows (no timestamps)."""
+    query = select(C.c.trajectory_id, C.c.step_index, C.c.excluded, C.c.label, C.c.note)
+    if round is not None:
+        query = query.join(T, T.c.trajectory_id == C.c.trajectory_id).where(T.c.round == round)
+    rows = [{"trajectory_id": r.trajectory_id, "step_index": -1 if r.step_index is None else int(r.step_index),
+             "excluded": bool(r.excluded), "label": r.label or "", "note": r.note or ""}
+            for r in conn.execute(query)]
+    return sorted(rows, key=lambda r: (r["trajectory_id"], r["step_index"]))
 
 
 def _check_query(status: str | None, flag: str | None, min_return: Any, max_return: Any, round: Any,
@@ -214,3 +226,39 @@ def stats(conn: Connection) -> dict[str, Any]:
 
 __all__ = ["STEP_FLAGS", "TRAJECTORY_COLUMNS", "curate", "curation_of", "excluded_targets", "query_trajectories",
            "stats"]
+
+
+def apply_curation(frame: pd.DataFrame, curation: pd.DataFrame | None) -> tuple[pd.DataFrame, dict[str, int]]:
+    """``frame`` (a step table) with the pool's curation applied: excluded trajectories and steps dropped, the
+    ``label`` column set (a step's own label, else its trajectory's). ``curation`` is the curate stage's snapshot
+    (CURATION_FRAME_COLUMNS), which is the current truth (an exclusion lifted after the rollout is lifted); with
+    None, the ``excluded`` flags the rollout exported are used. Stats: curated_excluded_trajectories (whole
+    trajectories excluded), curated_excluded_steps (rows dropped), curated_labelled_steps (kept rows labelled)."""
+    out = frame.copy()
+    out["label"] = out["label"] if "label" in out.columns else ""
+    excluded = out["excluded"].astype(bool) if "excluded" in out.columns else pd.Series(False, index=out.index)
+    whole_excluded = pd.Series(False, index=out.index)
+    if curation is not None:
+        whole = curation[curation["step_index"] == -1].set_index("trajectory_id")
+        steps = curation[curation["step_index"] >= 0].set_index(["trajectory_id", "step_index"])
+        keys = list(zip(out["trajectory_id"], out["step_index"].astype(int)))
+        whole_excluded = out["trajectory_id"].map(whole["excluded"]).fillna(False).astype(bool)
+        step_excluded = pd.Series([bool(steps["excluded"].get(k, False)) for k in keys], index=out.index, dtype=bool)
+        step_label = pd.Series([steps["label"].get(k, "") for k in keys], index=out.index, dtype=object)
+        traj_label = out["trajectory_id"].map(whole["label"]).fillna("")
+        out["label"] = step_label.where(step_label != "", traj_label)
+        excluded = whole_excluded | step_excluded
+    stats = {"curated_excluded_trajectories": int(out.loc[whole_excluded, "trajectory_id"].nunique()),
+             "curated_excluded_steps": int(excluded.sum())}
+    out = out[~excluded].assign(excluded=False).reset_index(drop=True)
+    stats["curated_labelled_steps"] = int((out["label"] != "").sum())
+    return out, stats
+
+
+def drop_failed(frame: pd.DataFrame) -> tuple[pd.DataFrame, dict[str, int]]:
+    """``frame`` without the steps of trajectories whose env raised or timed out (status "failed"): their outcome
+    is an accident of the env, not the policy's. Stats: failed_trajectories, failed_steps."""
+    failed = frame["status"] == "failed"
+    stats = {"failed_trajectories": int(frame.loc[failed, "trajectory_id"].nunique()),
+             "failed_steps": int(failed.sum())}
+    return frame[~failed].reset_index(drop=True), stats

@@ -15,10 +15,11 @@ Every filter reports ``<name>_dropped_trajectories``, ``<name>_dropped_groups``,
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import pandas as pd
 
+from models.checks import ConfigValueError
 from models.registry import Registry
 
 FILTERS = Registry("filter")
@@ -30,6 +31,11 @@ MIN_GROUP_TRAJECTORIES = 2
 
 @dataclass(frozen=True)
 class FilterConfig:
+    """params.yaml ``train.filters``: which filters run, in order, and their knobs."""
+
+    names: tuple[str, ...] = field(default=(), metadata={"registry": FILTERS})
+    """Filters and shaping applied before the advantages (FILTERS), in this order; each at most once. Empty by
+    default: FrozenLake's turn limit is part of the task, so "truncated" would drop real failures."""
     keep_truncated: bool = False
     """truncated: keep trajectories cut by the turn limit (status "truncated") or whose response hit max tokens.
     They are flagged and counted either way; by default they are dropped (their outcome is unknown, not a failure)."""
@@ -51,6 +57,16 @@ class FilterConfig:
     """dual_path: penalty per tool call of a tool-using success when the group's tool-free path also succeeded."""
 
     def __post_init__(self) -> None:
+        if isinstance(self.names, str) or not all(isinstance(n, str) for n in self.names):
+            raise ConfigValueError("names", self.names, "a list of filter names")
+        unknown = [n for n in self.names if n not in FILTERS]
+        if unknown:
+            raise ConfigValueError("names", list(self.names), f"registered filters, not {unknown}; valid: "
+                                   f"{', '.join(FILTERS.names())}")
+        repeated = sorted({n for n in self.names if list(self.names).count(n) > 1})
+        if repeated:
+            raise ConfigValueError("names", list(self.names), f"each filter listed once, not {repeated} twice "
+                                   "(shaping twice doubles it)")
         if self.overlong_buffer_tokens < 1 or self.overlong_max_tokens < self.overlong_buffer_tokens:
             raise ValueError(f"FilterConfig: need 1 <= overlong_buffer_tokens <= overlong_max_tokens, got "
                              f"{self.overlong_buffer_tokens} and {self.overlong_max_tokens}: shrink the buffer")
@@ -248,20 +264,11 @@ def dual_path(frame: pd.DataFrame, cfg: FilterConfig) -> tuple[pd.DataFrame, dic
 
 # --------------------------------------------------------------------------------------------------- running
 
-def apply_filters(frame: pd.DataFrame, names: list[str], cfg: FilterConfig) -> tuple[pd.DataFrame, dict[str, float]]:
-    """Run the filters ``names`` in that order; return (the kept, shaped frame with a ``shaping`` column, stats).
+def apply_filters(frame: pd.DataFrame, cfg: FilterConfig) -> tuple[pd.DataFrame, dict[str, float]]:
+    """Run the filters ``cfg.names`` in that order; return (the kept, shaped frame with a ``shaping`` column, stats).
 
-    Stats merge every filter's, plus ``filters_{trajectories,groups,steps}_{in,out}``. Unknown or repeated names are
-    rejected before anything runs. ``frame`` is never modified.
+    Stats merge every filter's, plus ``filters_{trajectories,groups,steps}_{in,out}``. ``frame`` is never modified.
     """
-    if isinstance(names, str):
-        raise TypeError(f"apply_filters: names must be a list of filter names, got the string {names!r}")
-    unknown = [n for n in names if n not in FILTERS]
-    if unknown:
-        raise ValueError(f"unknown filter(s) {unknown}; valid names: {', '.join(FILTERS.names())}")
-    repeated = sorted({n for n in names if list(names).count(n) > 1})
-    if repeated:
-        raise ValueError(f"filter(s) {repeated} listed more than once; list each once (shaping twice doubles it)")
     out = frame.reset_index(drop=True)
     if "shaping" not in out.columns:
         out = out.assign(shaping=0.0)
@@ -269,7 +276,7 @@ def apply_filters(frame: pd.DataFrame, names: list[str], cfg: FilterConfig) -> t
         "filters_trajectories_in": frame["trajectory_id"].nunique(),
         "filters_groups_in": frame["group_id"].nunique(dropna=False), "filters_steps_in": len(frame),
     }
-    for name in names:
+    for name in cfg.names:
         out, filter_stats = FILTERS[name](out, cfg)
         stats.update(filter_stats)
     stats.update({"filters_trajectories_out": out["trajectory_id"].nunique(),

@@ -1,6 +1,7 @@
 """Parquet export of a round's step table: the versioned dataset DVC tracks between rollout and train.
 
-The schema is explicit (token ids as list<int32>, log-probs as list<float32>), the dataset's own metadata (round,
+The schema is explicit and derived from the record declarations (datapool.records.STEP_ROW_FIELDS; token ids as
+list<int32>, log-probs as list<float32>, see ARROW_TYPES), the dataset's own metadata (round,
 policy versions, layout version) travels as JSON under the key ``arlflow`` in the Parquet schema metadata, and the
 file is written to a temporary name and renamed, so a crash never leaves a half-written file at ``path``.
 Files of an older layout still read: columns added since are filled with their defaults (ADDED_COLUMNS).
@@ -18,58 +19,40 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from datapool.records import StepRecord, TrajectoryRecord
+from datapool.records import ROW_TRAJECTORY_FIELDS, STEP_FIELDS, STEP_ROW_FIELDS, StepRecord, TrajectoryRecord
+from datapool.schema import to_python
 
 if TYPE_CHECKING:  # the store imports this module; import_steps only calls the pool it is given
     from datapool.store import DataPool
 
-STEPS_SCHEMA_VERSION = 4
-"""Version of STEPS_SCHEMA; files written with a newer one are refused, older ones read (see ADDED_COLUMNS)."""
+STEPS_SCHEMA_VERSION = 5
+"""Version of STEPS_SCHEMA; files written with a newer one are refused, older ones read (see ADDED_COLUMNS).
+5: plain_prompt_ids, macro_prompt_ids, macro_action_ids (the skill trace) and every column non-nullable."""
 
 METADATA_KEY = b"arlflow"
 
-STEPS_SCHEMA = pa.schema([
-    pa.field("trajectory_id", pa.string(), nullable=False),
-    pa.field("group_id", pa.string(), nullable=False),
-    pa.field("step_index", pa.int32(), nullable=False),
-    pa.field("prompt_ids", pa.list_(pa.int32()), nullable=False),
-    pa.field("response_ids", pa.list_(pa.int32()), nullable=False),
-    pa.field("logprobs", pa.list_(pa.float32()), nullable=False),
-    pa.field("prompt_text", pa.string()),
-    pa.field("observation", pa.string()),
-    pa.field("action", pa.string()),
-    pa.field("response_text", pa.string()),
-    pa.field("reward", pa.float64()),
-    pa.field("anchor", pa.string()),
-    pa.field("policy_version", pa.string()),
-    pa.field("action_valid", pa.bool_()),
-    pa.field("truncated", pa.bool_()),
-    pa.field("skill_ids", pa.list_(pa.string())),
-    pa.field("context_manager", pa.string()),
-    pa.field("tool_calls", pa.int32()),
-    pa.field("tool_successes", pa.int32()),
-    pa.field("process_reward", pa.float64()),
-    pa.field("retokenized", pa.bool_()),
-    pa.field("round", pa.int64()),
-    pa.field("env", pa.string()),
-    pa.field("split", pa.string()),
-    pa.field("status", pa.string()),
-    pa.field("won", pa.bool_()),
-    pa.field("episode_return", pa.float64()),
-    pa.field("excluded", pa.bool_()),
-    pa.field("shaping", pa.float64()),
-])
-"""One row per step: the columns of ``DataPool.steps_frame`` (``retokenized``: the ids were re-derived from text;
-``excluded``: curation excluded the step or its trajectory), plus ``shaping`` (the total reward adjustment the
-``datapool.filters`` made to the step's trajectory; ``episode_return - shaping`` is the return the env gave)."""
-
-ADDED_COLUMNS: dict[str, int | float | bool] = {
-    "tool_calls": 0, "tool_successes": 0, "shaping": 0.0, "process_reward": 0.0, "retokenized": False,
-    "excluded": False,
+ARROW_TYPES: dict[str, pa.DataType] = {
+    "ids": pa.list_(pa.int32()), "logprobs": pa.list_(pa.float32()), "id_lists": pa.list_(pa.list_(pa.int32())),
+    "text": pa.string(), "str": pa.string(), "int": pa.int32(), "float": pa.float64(), "bool": pa.bool_(),
+    "strs": pa.list_(pa.string()),
 }
-"""Columns added in layout versions 2 (tool counts, shaping), 3 (process_reward) and 4 (retokenized, excluded), with
-the value a frame or an older file without them gets: no recorded tool calls, no shaping (the pool's own frames
-carry no ``shaping``: stored rewards are the env's), the engine's own ids, nothing excluded."""
+"""schema kind -> Arrow type, for every kind a step row holds (trajectory metadata, kind json, is not exported)."""
+
+STEPS_SCHEMA = pa.schema([pa.field(f.name, ARROW_TYPES[f.kind], nullable=f.nullable) for f in STEP_ROW_FIELDS])
+"""One row per step (datapool.records.STEP_ROW_FIELDS): the StepRecord fields, the trajectory fields declared
+``on_step_rows``, ``excluded`` (curation excluded the step or its trajectory) and ``shaping`` (the total reward
+adjustment the ``datapool.filters`` made to the step's trajectory; ``episode_return - shaping`` is the env's
+return). The columns of ``DataPool.steps_frame`` plus ``shaping``."""
+
+ADDED_COLUMNS: dict[str, Any] = {f.name: f.default for f in STEP_ROW_FIELDS if f.since > 1}
+"""Columns added after layout version 1, with the value a frame or an older file without them gets (the field's
+declared default): no recorded tool calls, no shaping (the pool's own frames carry no ``shaping``: stored rewards
+are the env's), no process reward, the engine's own ids, nothing excluded, no skill trace."""
+
+_newest = max(f.since for f in STEP_ROW_FIELDS)
+if _newest > STEPS_SCHEMA_VERSION:
+    raise RuntimeError(f"a step row field is declared since version {_newest} but STEPS_SCHEMA_VERSION is "
+                       f"{STEPS_SCHEMA_VERSION}: bump datapool.parquet.STEPS_SCHEMA_VERSION")
 
 _LIST_COLUMNS = tuple(f.name for f in STEPS_SCHEMA if pa.types.is_list(f.type))
 
@@ -98,7 +81,7 @@ def export_steps(df: pd.DataFrame, path: str | Path, *, metadata: dict[str, Any]
         raise ValueError(f"cannot export steps to {path}: metadata is not JSON-serializable ({exc})") from None
     try:
         table = pa.Table.from_pandas(df[STEPS_SCHEMA.names], schema=STEPS_SCHEMA, preserve_index=False)
-    except (pa.ArrowInvalid, pa.ArrowTypeError) as exc:
+    except (pa.ArrowInvalid, pa.ArrowTypeError, ValueError, TypeError) as exc:  # ValueError: a null in a column
         raise ValueError(f"cannot export steps to {path}: a column does not fit STEPS_SCHEMA ({exc})") from None
     table = table.replace_schema_metadata({METADATA_KEY: meta_json.encode("utf-8")})
 
@@ -134,6 +117,13 @@ def read_steps(path: str | Path) -> tuple[pd.DataFrame, dict[str, Any]]:
     if not isinstance(version, int) or version > STEPS_SCHEMA_VERSION:
         raise StepsFileError(f"steps file {path} has schema version {version!r}; this arlflow reads "
                              f"<= {STEPS_SCHEMA_VERSION}: upgrade arlflow")
+    try:  # columns an older layout typed differently (round was int64) read as today's type
+        for position, name in enumerate(table.column_names):
+            if name in STEPS_SCHEMA.names and table.schema.field(position).type != STEPS_SCHEMA.field(name).type:
+                table = table.set_column(position, STEPS_SCHEMA.field(name),
+                                         table.column(position).cast(STEPS_SCHEMA.field(name).type))
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as exc:
+        raise StepsFileError(f"steps file {path} has a column that does not fit STEPS_SCHEMA ({exc})") from None
     df = table.to_pandas()
     for name in _LIST_COLUMNS:
         if name in df.columns:
@@ -150,26 +140,27 @@ def _with_added_columns(df: pd.DataFrame) -> pd.DataFrame:
         return df
     df = df.copy()
     for name in absent + holey:
-        dtype = STEPS_SCHEMA.field(name).type.to_pandas_dtype()
-        column = df[name].where(df[name].notna(), ADDED_COLUMNS[name]) if name in holey else ADDED_COLUMNS[name]
-        df[name] = pd.Series(column, index=df.index).astype(dtype)
+        default = ADDED_COLUMNS[name]
+        if isinstance(default, list):  # one fresh (empty) list per row
+            old = df[name] if name in holey else pd.Series([None] * len(df), index=df.index, dtype=object)
+            df[name] = pd.Series([list(default) if _is_missing(value) else value for value in old],
+                                 index=df.index, dtype=object)
+            continue
+        column = df[name].where(df[name].notna(), default) if name in holey else [default] * len(df)
+        # through Arrow, so the dtype is what reading the column from a file gives (e.g. pandas' str for text)
+        values = pa.array(list(column), type=STEPS_SCHEMA.field(name).type).to_pandas()
+        df[name] = pd.Series(values.to_numpy() if len(df) else values, index=df.index, dtype=values.dtype)
     order = [name for name in STEPS_SCHEMA.names if name in df.columns]
     return df[order + [name for name in df.columns if name not in STEPS_SCHEMA.names]]
 
 
-_STEP_FIELDS = ("trajectory_id", "group_id", "step_index", "prompt_text", "observation", "action", "response_text",
-                "anchor", "policy_version", "context_manager")
+def _is_missing(value: Any) -> bool:
+    return value is None or (isinstance(value, float) and value != value)  # None or NaN (a list is never missing)
 
 
 def _step_record(row: dict[str, Any]) -> StepRecord:
-    fields = {name: row[name] for name in _STEP_FIELDS}
-    fields["step_index"] = int(row["step_index"])
-    return StepRecord(
-        **fields, prompt_ids=[int(i) for i in row["prompt_ids"]], response_ids=[int(i) for i in row["response_ids"]],
-        logprobs=[float(x) for x in row["logprobs"]], reward=float(row["reward"]),
-        action_valid=bool(row["action_valid"]), truncated=bool(row["truncated"]),
-        skill_ids=list(row["skill_ids"]), tool_calls=int(row["tool_calls"]), tool_successes=int(row["tool_successes"]),
-        process_reward=float(row["process_reward"]), retokenized=bool(row["retokenized"]))
+    """A StepRecord from one row of ``read_steps`` (numpy scalars and arrays become plain Python values)."""
+    return StepRecord(**{f.name: to_python(f, row[f.name]) for f in STEP_FIELDS})
 
 
 def import_steps(path: str | Path, pool: DataPool) -> int:
@@ -188,12 +179,13 @@ def import_steps(path: str | Path, pool: DataPool) -> int:
         records = rows.to_dict("records")
         first = records[0]
         steps = [_step_record(row) for row in records]
+        fields = {f.name: to_python(f, first[f.name]) for f in ROW_TRAJECTORY_FIELDS}
+        fields["episode_return"] -= float(first["shaping"])
         trajectories.append(TrajectoryRecord(
-            trajectory_id=str(tid), group_id=first["group_id"], scenario="{}", env=first["env"], split=first["split"],
-            round=int(first["round"]), policy_version=first["policy_version"], status=first["status"],
-            episode_return=float(first["episode_return"]) - float(first["shaping"]), won=bool(first["won"]),
-            num_steps=len(steps), response_tokens=sum(len(s.response_ids) for s in steps),
-            metadata={"imported_from": Path(path).name}, steps=steps))
+            **fields, trajectory_id=str(tid), group_id=steps[0].group_id, scenario="{}",
+            policy_version=steps[0].policy_version, num_steps=len(steps),
+            response_tokens=sum(len(s.response_ids) for s in steps), metadata={"imported_from": Path(path).name},
+            steps=steps))
         marked = [int(row["step_index"]) for row in records if row["excluded"]]
         if marked:
             excluded[str(tid)] = marked

@@ -22,6 +22,7 @@ import pandas as pd
 from great_expectations.data_context.types.base import ProgressBarsConfig
 
 from datapool.filters import degenerate_group_ids
+from models.checks import ConfigValueError, check_config
 
 REQUIRED_COLUMNS: tuple[str, ...] = (
     "trajectory_id", "group_id", "step_index", "prompt_ids", "response_ids", "logprobs", "reward",
@@ -29,6 +30,35 @@ REQUIRED_COLUMNS: tuple[str, ...] = (
 _INDEX_COLUMNS = ["trajectory_id", "step_index", "group_id"]  # identify the rows behind each example
 MAX_EXAMPLES = 5
 NO_RETOKENIZED = "no retokenized steps"
+
+
+@dataclass(frozen=True)
+class GateConfig:
+    """params.yaml ``validate``: the data gate's limits and what the validate stage keeps."""
+
+    max_prompt_tokens: int = 256
+    """Longest prompt (token ids) a step may have."""
+    max_response_tokens: int = 8
+    """Longest response a step may have; at least rollout.sampling.max_new_tokens."""
+    reward_min: float = -1.0
+    """Least step reward the gate accepts (< reward_max)."""
+    reward_max: float = 1.0
+    """Largest step reward the gate accepts; every reward must also be finite."""
+    drop_zero_variance: bool = True
+    """Drop groups whose returns are all equal (no group-normalized signal); counted in the report."""
+    keep_failed: bool = False
+    """Keep trajectories whose env raised or timed out (status "failed"). By default they are left out of training
+    (their outcome is an accident, not the policy's) and counted in the report."""
+
+    def __post_init__(self) -> None:
+        check_config(self, max_prompt_tokens="positive", max_response_tokens="positive")
+        if not self.reward_min < self.reward_max:
+            raise ConfigValueError("reward_min", self.reward_min, f"< reward_max ({self.reward_max})")
+
+    def limits(self, group_size: int) -> QualityLimits:
+        """The suite's limits for groups of ``group_size`` rollouts."""
+        return QualityLimits(max_prompt_tokens=self.max_prompt_tokens, max_response_tokens=self.max_response_tokens,
+                             reward_min=self.reward_min, reward_max=self.reward_max, group_size=group_size)
 
 
 @dataclass(frozen=True)

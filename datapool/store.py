@@ -5,7 +5,8 @@ stores finished trajectories in batches (``add_trajectories``); the gateway open
 one by one as requests are answered (``open_trajectory``, ``append_step``, ``set_reward``, ``finish_trajectory``).
 Every write is validated first and happens in one transaction that has committed when the method returns, so bad
 input never leaves a partial record and an acknowledged step survives a crash. Curation (labels, exclusions) and
-queries live in ``datapool.curation``; the methods here delegate to it.
+queries live in ``datapool.curation``, the read side (records, frames, Parquet export) in ``datapool.reads``; the
+methods here delegate to them.
 
 Concurrency: SQLite write transactions start with ``BEGIN IMMEDIATE`` (take the write lock up front and wait for it
 up to the busy timeout, instead of failing when a read snapshot goes stale); PostgreSQL writes lock the trajectory's
@@ -14,6 +15,7 @@ row (``SELECT ... FOR UPDATE``) and a transaction that loses a race on a unique 
 from __future__ import annotations
 
 import json
+import os
 import math
 import time
 from contextlib import contextmanager
@@ -25,13 +27,12 @@ from sqlalchemy import func, insert, inspect, select, text, update
 from sqlalchemy.engine import Connection
 from sqlalchemy.exc import IntegrityError
 
-from datapool import curation
-from datapool.parquet import export_steps
-from datapool.records import (FINAL_STATUSES, StepRecord, TrajectoryRecord, is_int, is_real,
-                              validate_step, validate_trajectory)
-from datapool.tables import (MIGRATIONS, SCHEMA_VERSION, SQLITE_SYNCHRONOUS, STEP_COLUMNS, Base, RequestRow,
-                             SchemaVersionError, SchemaVersionRow, StepRow, TrajectoryRow, decode_ids, decode_logprobs,
-                             decoded_step, encode_ids, encode_logprobs, make_engine, step_row, trajectory_row)
+from datapool import curation, reads
+from datapool.records import (FINAL_STATUSES, StepRecord, TrajectoryRecord, is_int, is_real, validate_step,
+                              validate_trajectory)
+from datapool.tables import (MIGRATIONS, SCHEMA_VERSION, SQLITE_SYNCHRONOUS, STEP_COLUMNS, STEPS, TRAJECTORIES, Base,
+                             RequestRow, SchemaVersionError, SchemaVersionRow, decode_ids, decode_logprobs, encode_ids,
+                             encode_logprobs, make_engine, step_row, trajectory_row)
 
 __all__ = ["DataPool", "MIGRATIONS", "SCHEMA_VERSION", "SQLITE_SYNCHRONOUS", "STEP_COLUMNS", "SchemaVersionError",
            "TRAJECTORY_COLUMNS", "decode_ids", "decode_logprobs", "encode_ids", "encode_logprobs",
@@ -42,12 +43,10 @@ _RETRIES = 8     # attempts of a write that lost a race on a unique key (Postgre
 _SCHEMA_LOCK_KEY = 724_001  # PostgreSQL advisory lock that serializes schema creation and migration
 
 TRAJECTORY_COLUMNS: tuple[str, ...] = curation.TRAJECTORY_COLUMNS
-STEP_TRAJECTORY_COLUMNS: tuple[str, ...] = ("round", "env", "split", "status", "won", "episode_return")
-"""Trajectory fields joined onto every row of ``steps_frame`` (group_id is already a step field)."""
 
 
-T = TrajectoryRow.__table__
-S = StepRow.__table__
+T = TRAJECTORIES
+S = STEPS
 R = RequestRow.__table__
 
 
@@ -305,6 +304,14 @@ class DataPool:
         with self.engine.connect() as conn:
             return curation.curation_of(conn, trajectory_id)
 
+    def curation_frame(self, *, round: int | None = None) -> pd.DataFrame:
+        """Every label and exclusion (of ``round``'s trajectories when given): curation.CURATION_FRAME_COLUMNS,
+        step_index -1 for a whole trajectory, sorted, deterministic."""
+        with self.engine.connect() as conn:
+            rows = curation.curation_rows(conn, round=round)
+        return pd.DataFrame(rows, columns=list(curation.CURATION_FRAME_COLUMNS)).astype(
+            {"step_index": "int64", "excluded": "bool"})
+
     def query_trajectories(self, *, env: str | None = None, round: int | None = None,
                            policy_version: str | None = None, status: str | None = None,
                            min_return: float | None = None, max_return: float | None = None,
@@ -321,69 +328,30 @@ class DataPool:
         with self.engine.connect() as conn:
             return curation.stats(conn)
 
-    # -- reading
+    # -- reading (datapool.reads)
 
     def get_trajectory(self, trajectory_id: str) -> TrajectoryRecord:
         """The trajectory with its steps in order; KeyError if unknown."""
         with self.engine.connect() as conn:
-            row = conn.execute(select(T).where(T.c.trajectory_id == trajectory_id)).first()
-            if row is None:
-                raise KeyError(f"unknown trajectory {trajectory_id!r}")
-            steps = conn.execute(select(S).where(S.c.trajectory_id == trajectory_id).order_by(S.c.step_index))
-            records = [StepRecord(**decoded_step(step)) for step in steps]
-        fields = {name: row._mapping[name] for name in TRAJECTORY_COLUMNS}
-        fields["won"] = bool(fields["won"])
-        return TrajectoryRecord(**fields, steps=records)
+            return reads.get_trajectory(conn, trajectory_id)
 
     def trajectories_frame(self, *, round: int | None = None, env: str | None = None,
                            split: str | None = None) -> pd.DataFrame:
         """One row per trajectory (all TrajectoryRecord fields but steps), ordered by round, group, id."""
-        stmt = select(*(T.c[name] for name in TRAJECTORY_COLUMNS))
-        if round is not None:
-            stmt = stmt.where(T.c.round == round)
-        if env is not None:
-            stmt = stmt.where(T.c.env == env)
-        if split is not None:
-            stmt = stmt.where(T.c.split == split)
-        stmt = stmt.order_by(T.c.round, T.c.group_id, T.c.trajectory_id)
         with self.engine.connect() as conn:
-            rows = [dict(row._mapping) for row in conn.execute(stmt)]
-        for row in rows:
-            row["won"] = bool(row["won"])
-        return pd.DataFrame(rows, columns=list(TRAJECTORY_COLUMNS))
+            return reads.trajectories_frame(conn, round=round, env=env, split=split)
 
     def steps_frame(self, *, round: int | None = None, env: str | None = None,
                     include_excluded: bool = True) -> pd.DataFrame:
         """One row per step, with its trajectory's round/env/split/status/won/episode_return joined on, and
-        ``excluded`` (the step or its trajectory is excluded by curation; ``include_excluded=False`` drops those).
-
-        ``prompt_ids``/``response_ids`` are lists of int and ``logprobs`` lists of float (float32 precision).
-        Ordered by round, group, trajectory, step index.
-        """
-        stmt = select(S, *(T.c[name].label(f"traj_{name}") for name in STEP_TRAJECTORY_COLUMNS)).join(
-            T, S.c.trajectory_id == T.c.trajectory_id)
-        if round is not None:
-            stmt = stmt.where(T.c.round == round)
-        if env is not None:
-            stmt = stmt.where(T.c.env == env)
-        stmt = stmt.order_by(T.c.round, S.c.group_id, S.c.trajectory_id, S.c.step_index)
-        records = []
+        ``excluded`` (the step or its trajectory is excluded by curation; ``include_excluded=False`` drops those);
+        see ``reads.steps_frame``."""
         with self.engine.connect() as conn:
-            excluded_trajs, excluded_steps = curation.excluded_targets(conn)
-            for row in conn.execute(stmt):
-                record = decoded_step(row)
-                record.update((name, row._mapping[f"traj_{name}"]) for name in STEP_TRAJECTORY_COLUMNS)
-                record["won"] = bool(record["won"])
-                record["excluded"] = (row.trajectory_id in excluded_trajs
-                                      or (row.trajectory_id, row.step_index) in excluded_steps)
-                if include_excluded or not record["excluded"]:
-                    records.append(record)
-        return pd.DataFrame(records, columns=[*STEP_COLUMNS, *STEP_TRAJECTORY_COLUMNS, "excluded"])
+            return reads.steps_frame(conn, round=round, env=env, include_excluded=include_excluded)
 
     def counts(self) -> dict[str, int]:
         with self.engine.connect() as conn:
-            return {"trajectories": conn.scalar(select(func.count()).select_from(T)) or 0,
-                    "steps": conn.scalar(select(func.count()).select_from(S)) or 0}
+            return reads.counts(conn)
 
     def export(self, path: str | Path, *, round: int | None = None, env: str | None = None,
                include_excluded: bool = True) -> int:
@@ -392,23 +360,32 @@ class DataPool:
         The dataset metadata records the filters, policy versions, envs, trajectory count, excluded and
         retokenized row counts and the pool's schema version."""
         df = self.steps_frame(round=round, env=env, include_excluded=include_excluded)
-        metadata = {
-            "round": round,
-            "env": env,
-            "include_excluded": include_excluded,
-            "policy_versions": sorted(set(df["policy_version"])),
-            "envs": sorted(set(df["env"])),
-            "trajectories": int(df["trajectory_id"].nunique()),
-            "excluded_rows": int(df["excluded"].sum()),
-            "retokenized_rows": int(df["retokenized"].sum()),
-            "pool_schema_version": SCHEMA_VERSION,
-        }
-        export_steps(df, path, metadata=metadata)
-        return len(df)
+        return reads.export_steps_frame(df, path, round=round, env=env, include_excluded=include_excluded)
 
     def export_round(self, round: int, path: str | Path) -> int:
         """Write the steps of ``round`` to a Parquet file at ``path`` (see ``datapool.parquet``); return rows."""
         return self.export(path, round=round)
+
+    # -- health
+
+    def integrity_problem(self) -> str | None:
+        """What is wrong with the stored data, or None: SQLite's ``PRAGMA quick_check`` (reads every page, so a
+        truncated or corrupted file is found before work that would write to it) and that the file is writable;
+        other backends answer a trivial query."""
+        try:
+            with self.engine.connect() as conn:
+                if not self._sqlite:
+                    conn.execute(text("SELECT 1"))
+                    return None
+                result = [row[0] for row in conn.exec_driver_sql("PRAGMA quick_check").fetchall()]
+        except Exception as err:  # noqa: BLE001 - the driver's own words are the diagnosis
+            return f"{type(err).__name__}: {err}"
+        if result != ["ok"]:
+            return "; ".join(str(r) for r in result[:3])
+        database = self.engine.url.database
+        if database and database != ":memory:" and not os.access(database, os.W_OK):
+            return f"{database} is not writable"
+        return None
 
     # -- lifetime
 

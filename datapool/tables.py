@@ -1,31 +1,45 @@
-"""The data pool's tables (SQLAlchemy 2 typed ORM), their schema version and migrations, how records map to rows
+"""The data pool's tables (SQLAlchemy 2 Core), their schema version and migrations, how records map to rows
 (token ids and log-probs encoded compactly), and the engine with its SQLite settings.
 
-Token ids are stored as little-endian int32 bytes and rollout log-probs as float32 bytes. Curation (labels and
-exclusions) lives in its own table, so curating never rewrites a step; rows there are updated, never deleted.
+The ``trajectories`` and ``steps`` columns, their row encoders/decoders and the migrations that add columns are
+derived from the record declarations (``datapool.records``; kinds map to SQL types in SQL_KINDS). Token ids are
+stored as little-endian int32 bytes, lists of id lists as int32 bytes with a length header, rollout log-probs as
+float32 bytes. Curation (labels and exclusions) lives in its own table, so curating never rewrites a step; rows
+there are updated, never deleted.
 """
 from __future__ import annotations
 
+import json
+from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
 import numpy as np
-from sqlalchemy import (JSON, Boolean, Double, ForeignKey, Index, Integer, LargeBinary, Text, TypeDecorator,
-                        UniqueConstraint, create_engine, event, func, inspect, text)
+from sqlalchemy import (JSON, Boolean, Column, Double, ForeignKey, Index, Integer, LargeBinary, Table, Text,
+                        TypeDecorator, UniqueConstraint, create_engine, event, false, func, inspect, text, true)
 from sqlalchemy.engine import Connection, Engine, make_url
+from sqlalchemy.ext.compiler import compiles
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+from sqlalchemy.sql.expression import ColumnElement
 
-from datapool.records import StepRecord, TrajectoryRecord
+from datapool.records import ROW_TRAJECTORY_FIELDS, STEP_FIELDS, TRAJECTORY_FIELDS, StepRecord, TrajectoryRecord
+from datapool.schema import FieldSpec, spec
 
-STEP_COLUMNS: tuple[str, ...] = (
-    "trajectory_id", "group_id", "step_index", "prompt_ids", "response_ids", "logprobs", "prompt_text",
-    "observation", "action", "response_text", "reward", "anchor", "policy_version", "action_valid", "truncated",
-    "skill_ids", "context_manager", "tool_calls", "tool_successes", "process_reward", "retokenized",
-)
+SCHEMA_VERSION = 5
+"""Version of the tables below. Adding a column: declare its field with ``since=SCHEMA_VERSION + 1`` and bump this;
+the migration that adds it (with its default) is derived. Other changes need a hand-written step in MIGRATIONS."""
+
+STEP_COLUMNS: tuple[str, ...] = tuple(f.name for f in STEP_FIELDS)
 """StepRecord's fields, the step columns of ``DataPool.steps_frame``."""
+TRAJECTORY_COLUMNS: tuple[str, ...] = tuple(f.name for f in TRAJECTORY_FIELDS)
+"""TrajectoryRecord's fields but steps: the columns of ``DataPool.trajectories_frame``."""
 
-SCHEMA_VERSION = 4
-"""Version of the tables below; bump it (and add a step to MIGRATIONS) whenever a column changes."""
+POOL_TRAJECTORY_FIELDS: tuple[FieldSpec, ...] = (
+    spec("created_at", "float", "when the pool stored the trajectory, epoch s (0 for rows older than version 4: they "
+         "sort as oldest)", since=4, default=0.0, index=True),
+)
+"""Trajectory columns the pool keeps that are no record's field."""
 
 CURATION_KINDS = ("trajectory", "step")
 
@@ -47,6 +61,116 @@ class SchemaVersionError(RuntimeError):
     """The database was written by a different (usually newer) arlflow schema."""
 
 
+# ----------------------------------------------------------------------------------------------- encoding
+
+def encode_ids(ids: Iterable[int]) -> bytes:
+    """Token ids as little-endian int32 bytes (4 bytes per id)."""
+    values = ids if isinstance(ids, list) else list(ids)
+    if not values:  # most steps have no skill trace: skip numpy for the empty ones
+        return b""
+    return np.asarray(values, dtype=np.int64).astype("<i4").tobytes()
+
+
+def decode_ids(blob: bytes) -> list[int]:
+    return np.frombuffer(blob, dtype="<i4").tolist()
+
+
+def encode_logprobs(logprobs: Iterable[float]) -> bytes:
+    """Log-probs as little-endian float32 bytes (the precision the trainer uses)."""
+    return np.asarray(list(logprobs), dtype=np.float64).astype("<f4").tobytes()
+
+
+def decode_logprobs(blob: bytes) -> list[float]:
+    return np.frombuffer(blob, dtype="<f4").tolist()
+
+
+def encode_id_lists(lists: Iterable[Iterable[int]]) -> bytes:
+    """A list of id lists as little-endian int32 bytes: [n, len_1..len_n, ids_1..., ids_n...]; [] is b""."""
+    if isinstance(lists, list) and not lists:
+        return b""
+    parts = [list(ids) for ids in lists]
+    if not parts:
+        return b""
+    header = [len(parts), *(len(ids) for ids in parts)]
+    return np.asarray(header + [i for ids in parts for i in ids], dtype=np.int64).astype("<i4").tobytes()
+
+
+def decode_id_lists(blob: bytes) -> list[list[int]]:
+    values = np.frombuffer(blob, dtype="<i4")
+    if not values.size:
+        return []
+    count = int(values[0])
+    lengths, flat = values[1:1 + count], values[1 + count:]
+    if len(lengths) != count or int(lengths.sum()) != len(flat):
+        raise ValueError(f"a stored id-list column is corrupt: header says {count} lists of {lengths.tolist()} ids, "
+                         f"{len(flat)} ids follow")
+    return [part.tolist() for part in np.split(flat, np.cumsum(lengths)[:-1])]
+
+
+@dataclass(frozen=True)
+class SqlKind:
+    """How a field kind is stored: its column type and the value conversions (None: stored as it is)."""
+
+    type: Callable[[], Any]
+    encode: Callable[[Any], Any] | None
+    decode: Callable[[Any], Any] | None
+
+
+SQL_KINDS: dict[str, SqlKind] = {
+    "ids": SqlKind(LargeBinary, encode_ids, decode_ids),
+    "logprobs": SqlKind(LargeBinary, encode_logprobs, decode_logprobs),
+    "id_lists": SqlKind(LargeBinary, encode_id_lists, decode_id_lists),
+    "text": SqlKind(DisplayText, None, None),
+    "str": SqlKind(Text, None, None),
+    "int": SqlKind(Integer, int, None),
+    "float": SqlKind(Double, float, None),
+    "bool": SqlKind(Boolean, bool, bool),
+    "strs": SqlKind(JSON, list, list),
+    "json": SqlKind(JSON, None, None),
+}
+"""schema kind -> SQL storage (every kind in datapool.schema.KINDS)."""
+
+
+class _EmptyBinary(ColumnElement):
+    """The empty byte string as a column default (SQLite needs X'': a plain '' would be stored as text)."""
+
+    inherit_cache = True
+
+
+@compiles(_EmptyBinary)
+def _empty_binary(element: _EmptyBinary, compiler: Any, **kw: Any) -> str:
+    return "''"
+
+
+@compiles(_EmptyBinary, "sqlite")
+def _empty_binary_sqlite(element: _EmptyBinary, compiler: Any, **kw: Any) -> str:
+    return "X''"
+
+
+def _server_default(field: FieldSpec) -> Any:
+    """The SQL default of a column added after version 1 (what rows older than ``field.since`` get)."""
+    if field.since == 1 or field.default is None:
+        return None
+    value, kind = field.default, field.kind
+    if SQL_KINDS[kind].type is LargeBinary:
+        if SQL_KINDS[kind].encode(value) != b"":
+            raise ValueError(f"field {field.name!r}: a binary column's default must encode to no bytes")
+        return _EmptyBinary()
+    if kind == "bool":
+        return true() if value else false()
+    if kind in ("int", "float"):
+        return text(repr(SQL_KINDS[kind].encode(value)))
+    literal = json.dumps(value) if kind in ("strs", "json") else str(value)
+    return text("'" + literal.replace("'", "''") + "'")
+
+
+def _column(field: FieldSpec, *extra: Any, **options: Any) -> Column:
+    return Column(field.name, SQL_KINDS[field.kind].type(), *extra, nullable=field.nullable, index=field.index or None,
+                  server_default=_server_default(field), **options)
+
+
+# ----------------------------------------------------------------------------------------------- tables
+
 class Base(DeclarativeBase):
     pass
 
@@ -57,51 +181,24 @@ class SchemaVersionRow(Base):
     version: Mapped[int] = mapped_column(Integer)
 
 
-class TrajectoryRow(Base):
-    __tablename__ = "trajectories"
-    trajectory_id: Mapped[str] = mapped_column(Text, primary_key=True)
-    group_id: Mapped[str] = mapped_column(Text, index=True)
-    scenario: Mapped[str] = mapped_column(Text)
-    env: Mapped[str] = mapped_column(Text, index=True)
-    split: Mapped[str] = mapped_column(Text)
-    round: Mapped[int] = mapped_column(Integer, index=True)
-    policy_version: Mapped[str] = mapped_column(Text)
-    status: Mapped[str] = mapped_column(Text)
-    episode_return: Mapped[float] = mapped_column(Double)
-    won: Mapped[bool] = mapped_column(Boolean)
-    num_steps: Mapped[int] = mapped_column(Integer)
-    response_tokens: Mapped[int] = mapped_column(Integer)
-    wall_time_s: Mapped[float] = mapped_column(Double)
-    error: Mapped[str | None] = mapped_column(DisplayText, nullable=True)
-    meta: Mapped[dict[str, Any]] = mapped_column("metadata", JSON)  # `metadata` is reserved on ORM classes
-    created_at: Mapped[float] = mapped_column(Double, server_default=text("0"), index=True)  # version 4; epoch s
+TRAJECTORIES = Table(
+    "trajectories", Base.metadata,
+    *(_column(f, primary_key=f.name == "trajectory_id") for f in TRAJECTORY_FIELDS + POOL_TRAJECTORY_FIELDS))
 
+STEPS = Table(
+    "steps", Base.metadata,
+    Column("id", Integer, primary_key=True, autoincrement=True),
+    *(_column(f, *([ForeignKey("trajectories.trajectory_id")] if f.name == "trajectory_id" else []))
+      for f in STEP_FIELDS),
+    UniqueConstraint("trajectory_id", "step_index", name="uq_steps_trajectory_step"))
 
-class StepRow(Base):
-    __tablename__ = "steps"
-    __table_args__ = (UniqueConstraint("trajectory_id", "step_index", name="uq_steps_trajectory_step"),)
-    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
-    trajectory_id: Mapped[str] = mapped_column(ForeignKey("trajectories.trajectory_id"))
-    group_id: Mapped[str] = mapped_column(Text)
-    step_index: Mapped[int] = mapped_column(Integer)
-    prompt_ids: Mapped[bytes] = mapped_column(LargeBinary)    # little-endian int32
-    response_ids: Mapped[bytes] = mapped_column(LargeBinary)  # little-endian int32
-    logprobs: Mapped[bytes] = mapped_column(LargeBinary)      # little-endian float32
-    prompt_text: Mapped[str] = mapped_column(DisplayText)
-    observation: Mapped[str] = mapped_column(DisplayText)
-    action: Mapped[str] = mapped_column(DisplayText)
-    response_text: Mapped[str] = mapped_column(DisplayText)
-    reward: Mapped[float] = mapped_column(Double)
-    anchor: Mapped[str] = mapped_column(DisplayText)
-    policy_version: Mapped[str] = mapped_column(Text)
-    action_valid: Mapped[bool] = mapped_column(Boolean)
-    truncated: Mapped[bool] = mapped_column(Boolean)
-    skill_ids: Mapped[list[str]] = mapped_column(JSON)
-    context_manager: Mapped[str] = mapped_column(Text)
-    tool_calls: Mapped[int] = mapped_column(Integer, server_default=text("0"))      # schema version 2
-    tool_successes: Mapped[int] = mapped_column(Integer, server_default=text("0"))  # schema version 2
-    process_reward: Mapped[float] = mapped_column(Double, server_default=text("0"))  # schema version 3
-    retokenized: Mapped[bool] = mapped_column(Boolean, server_default=text("FALSE"))  # schema version 4
+_TABLE_FIELDS: tuple[tuple[Table, tuple[FieldSpec, ...]], ...] = (
+    (TRAJECTORIES, TRAJECTORY_FIELDS + POOL_TRAJECTORY_FIELDS), (STEPS, STEP_FIELDS))
+
+_newest = max(f.since for _, fields in _TABLE_FIELDS for f in fields)
+if _newest > SCHEMA_VERSION:
+    raise RuntimeError(f"a field is declared since schema version {_newest} but SCHEMA_VERSION is {SCHEMA_VERSION}: "
+                       f"bump datapool.tables.SCHEMA_VERSION")
 
 
 class CurationRow(Base):
@@ -133,101 +230,89 @@ class RequestRow(Base):
 
 # ---------------------------------------------------------------------------------------------- migrations
 
-def _columns(conn: Connection, table: str) -> set[str]:
-    return {column["name"] for column in inspect(conn).get_columns(table)}
-
-
-def _add_step_tool_counts(conn: Connection) -> None:
-    """Version 1 -> 2: per-step tool-call bookkeeping; steps written before it made no recorded tool calls."""
-    present = _columns(conn, StepRow.__tablename__)
-    for name in ("tool_calls", "tool_successes"):
-        if name not in present:
-            conn.execute(text(f"ALTER TABLE {StepRow.__tablename__} ADD COLUMN {name} INTEGER NOT NULL DEFAULT 0"))
-
-
-def _add_step_process_reward(conn: Connection) -> None:
-    """Version 2 -> 3: the fold context manager's per-step process reward; older steps had none (0)."""
-    if "process_reward" not in _columns(conn, StepRow.__tablename__):
-        conn.execute(text(f"ALTER TABLE {StepRow.__tablename__} ADD COLUMN process_reward FLOAT NOT NULL DEFAULT 0"))
-
-
-def _add_gateway_columns(conn: Connection) -> None:
-    """Version 3 -> 4: steps.retokenized (older steps carried the engine's own ids: FALSE), trajectories.created_at
-    (unknown for older rows: 0, so they sort as oldest). The new curation and requests tables are created after the
-    migrations by ``create_all``."""
-    if "retokenized" not in _columns(conn, StepRow.__tablename__):
-        conn.execute(text(f"ALTER TABLE {StepRow.__tablename__} ADD COLUMN retokenized BOOLEAN NOT NULL "
-                          f"DEFAULT FALSE"))
-    if "created_at" not in _columns(conn, TrajectoryRow.__tablename__):
-        conn.execute(text(f"ALTER TABLE {TrajectoryRow.__tablename__} ADD COLUMN created_at FLOAT NOT NULL DEFAULT 0"))
-        conn.execute(text(f"CREATE INDEX IF NOT EXISTS ix_trajectories_created_at ON "
-                          f"{TrajectoryRow.__tablename__} (created_at)"))
+def add_columns_of(version: int, conn: Connection) -> None:
+    """Version ``version - 1`` -> ``version``: add every column whose field was declared ``since=version`` (NOT NULL
+    with its default, so older rows get the default) and its index. Tables new in ``version`` are created after
+    the migrations by ``create_all``."""
+    for table, fields in _TABLE_FIELDS:
+        present = {column["name"] for column in inspect(conn).get_columns(table.name)}
+        for field in fields:
+            if field.since != version or field.name in present:
+                continue
+            column = table.c[field.name]
+            ddl = f"{field.name} {column.type.compile(dialect=conn.dialect)}"
+            if column.server_default is not None:  # unwrapped: older SQLite refuses "(expr)" in ADD COLUMN
+                ddl += f" DEFAULT {column.server_default.arg.compile(dialect=conn.dialect)}"
+            ddl += "" if field.nullable else " NOT NULL"
+            conn.execute(text(f"ALTER TABLE {table.name} ADD COLUMN {ddl}"))
+            for index in table.indexes:
+                if [c.name for c in index.columns] == [field.name]:
+                    index.create(conn, checkfirst=True)
 
 
 MIGRATIONS: dict[int, Callable[[Connection], None]] = {
-    1: _add_step_tool_counts, 2: _add_step_process_reward, 3: _add_gateway_columns,
-}
+    version: partial(add_columns_of, version + 1) for version in range(1, SCHEMA_VERSION)}
 """from_version -> the step that brings a pool from that version to the next one (DDL only; the version row is
-updated by ``DataPool``). Every version below SCHEMA_VERSION needs an entry."""
-
-
-# ----------------------------------------------------------------------------------------------- encoding
-
-def encode_ids(ids: Iterable[int]) -> bytes:
-    """Token ids as little-endian int32 bytes (4 bytes per id)."""
-    return np.asarray(list(ids), dtype=np.int64).astype("<i4").tobytes()
-
-
-def decode_ids(blob: bytes) -> list[int]:
-    return np.frombuffer(blob, dtype="<i4").tolist()
-
-
-def encode_logprobs(logprobs: Iterable[float]) -> bytes:
-    """Log-probs as little-endian float32 bytes (the precision the trainer uses)."""
-    return np.asarray(list(logprobs), dtype=np.float64).astype("<f4").tobytes()
-
-
-def decode_logprobs(blob: bytes) -> list[float]:
-    return np.frombuffer(blob, dtype="<f4").tolist()
+updated by ``DataPool``). Every version below SCHEMA_VERSION needs an entry. 1 -> 2: tool counts; 2 -> 3: process
+reward; 3 -> 4: steps.retokenized, trajectories.created_at (+ the curation and requests tables); 4 -> 5: the skill
+trace (plain_prompt_ids, macro_prompt_ids, macro_action_ids)."""
 
 
 # ------------------------------------------------------------------------------------------ records <-> rows
 
+def _encoders(fields: tuple[FieldSpec, ...]) -> tuple[tuple[str, Callable[[Any], Any] | None], ...]:
+    return tuple((f.name, SQL_KINDS[f.kind].encode) for f in fields)
+
+
+def _decoders(fields: tuple[FieldSpec, ...], prefix: str = "") -> tuple[tuple[str, str, Any], ...]:
+    return tuple((f.name, prefix + f.name, SQL_KINDS[f.kind].decode) for f in fields)
+
+
+_STEP_ENCODERS = _encoders(STEP_FIELDS)
+_TRAJECTORY_ENCODERS = _encoders(TRAJECTORY_FIELDS)
+_STEP_DECODERS = _decoders(STEP_FIELDS)
+_TRAJECTORY_DECODERS = _decoders(TRAJECTORY_FIELDS)
+ROW_PREFIX = "traj_"
+"""Label prefix of the trajectory columns a step query joins on (``decoded_step_row``)."""
+_ROW_DECODERS = _decoders(ROW_TRAJECTORY_FIELDS, ROW_PREFIX)
+
+
 def trajectory_row(traj: TrajectoryRecord, created_at: float) -> dict[str, Any]:
-    return {
-        "trajectory_id": traj.trajectory_id, "group_id": traj.group_id, "scenario": traj.scenario,
-        "env": traj.env, "split": traj.split, "round": int(traj.round), "policy_version": traj.policy_version,
-        "status": traj.status, "episode_return": float(traj.episode_return), "won": bool(traj.won),
-        "num_steps": int(traj.num_steps), "response_tokens": int(traj.response_tokens),
-        "wall_time_s": float(traj.wall_time_s), "error": traj.error, "metadata": traj.metadata,
-        "created_at": created_at,
-    }
+    row: dict[str, Any] = {"created_at": created_at}
+    for name, encode in _TRAJECTORY_ENCODERS:
+        value = getattr(traj, name)
+        row[name] = value if encode is None or value is None else encode(value)
+    return row
 
 
 def step_row(step: StepRecord) -> dict[str, Any]:
-    return {
-        "trajectory_id": step.trajectory_id, "group_id": step.group_id, "step_index": int(step.step_index),
-        "prompt_ids": encode_ids(step.prompt_ids), "response_ids": encode_ids(step.response_ids),
-        "logprobs": encode_logprobs(step.logprobs), "prompt_text": step.prompt_text,
-        "observation": step.observation, "action": step.action, "response_text": step.response_text,
-        "reward": float(step.reward), "anchor": step.anchor, "policy_version": step.policy_version,
-        "action_valid": bool(step.action_valid), "truncated": bool(step.truncated),
-        "skill_ids": list(step.skill_ids), "context_manager": step.context_manager,
-        "tool_calls": int(step.tool_calls), "tool_successes": int(step.tool_successes),
-        "process_reward": float(step.process_reward), "retokenized": bool(step.retokenized),
-    }
+    return {name: getattr(step, name) if encode is None else encode(getattr(step, name))
+            for name, encode in _STEP_ENCODERS}
+
+
+def _decode(decoders: tuple[tuple[str, str, Any], ...], mapping: Any) -> dict[str, Any]:
+    return {name: mapping[key] if decode is None else decode(mapping[key]) for name, key, decode in decoders}
 
 
 def decoded_step(row: Any) -> dict[str, Any]:
     """A steps row (Core Row) as a dict of STEP_COLUMNS with ids and log-probs decoded to lists."""
-    record = {name: row._mapping[name] for name in STEP_COLUMNS}
-    record["prompt_ids"] = decode_ids(row.prompt_ids)
-    record["response_ids"] = decode_ids(row.response_ids)
-    record["logprobs"] = decode_logprobs(row.logprobs)
-    record["skill_ids"] = list(row.skill_ids)
-    record["action_valid"], record["truncated"] = bool(row.action_valid), bool(row.truncated)
-    record["retokenized"] = bool(row.retokenized)
-    return record
+    return _decode(_STEP_DECODERS, row._mapping)
+
+
+def decoded_step_row(row: Any) -> dict[str, Any]:
+    """A steps row joined with its trajectory's ROW_TRAJECTORY_FIELDS (labelled ``traj_<name>``): the step's
+    columns then the trajectory's, decoded."""
+    mapping = row._mapping
+    return {**_decode(_STEP_DECODERS, mapping), **_decode(_ROW_DECODERS, mapping)}
+
+
+def decoded_trajectory_row(row: Any) -> dict[str, Any]:
+    """A trajectories row (Core Row with at least TRAJECTORY_COLUMNS) as a dict of TRAJECTORY_COLUMNS, decoded."""
+    return _decode(_TRAJECTORY_DECODERS, row._mapping)
+
+
+def decoded_trajectory(row: Any, steps: list[StepRecord]) -> TrajectoryRecord:
+    return TrajectoryRecord(**decoded_trajectory_row(row), steps=steps)
 
 
 # ------------------------------------------------------------------------------------------------- engine

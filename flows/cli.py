@@ -12,7 +12,7 @@ from flows.gateway_cli import gateway_app
 from flows.pipeline import STAGE_FLOWS, pipeline_flow
 from flows.pool_cli import pool_app
 from flows.stages import check_stage
-from tasks.config import ParamsError, load_params
+from tasks.config import Params, ParamsError, load_params, params_to_yaml
 from tasks.layout import Layout
 
 app = typer.Typer(help="arlflow: train multi-turn LLM agents with RL, as a versioned, tracked pipeline.",
@@ -30,9 +30,18 @@ def _load(root: Path):
         raise typer.Exit(2) from err
 
 
+def _require_current_dvc_yaml(params, layout: Layout) -> None:
+    """Exit 2 with one line when dvc.yaml does not match params.yaml (rounds) or the stages' code (imports)."""
+    try:
+        dvc_sync.check_dvc_yaml(params, layout)
+    except RuntimeError as err:
+        typer.secho(f"error: {err}", fg=typer.colors.RED, err=True)
+        raise typer.Exit(2) from err
+
+
 @app.command()
-def stage(name: str = typer.Argument(..., help="bootstrap, warmstart, rollout, validate, mine, train, evaluate, "
-                                              "transfer"),
+def stage(name: str = typer.Argument(..., help="bootstrap, curate, warmstart, rollout, validate, mine, train, "
+                                              "evaluate, transfer"),
           round: Optional[int] = typer.Option(None, "--round", help="round number for rollout/validate/mine/train"),
           root: Path = typer.Option(Path("."), help="project root (holds params.yaml)")) -> None:
     """Run one stage as its Prefect flow (what each dvc.yaml stage calls)."""
@@ -50,11 +59,7 @@ def pipeline(root: Path = typer.Option(Path("."), help="project root (holds para
              force: bool = typer.Option(False, help="rerun every stage even if DVC sees it up to date")) -> None:
     """Run the whole pipeline as one Prefect flow (stages DVC sees as fresh are skipped)."""
     layout, params = _load(root)
-    try:
-        dvc_sync.check_dvc_yaml(params, layout)
-    except RuntimeError as err:
-        typer.secho(f"error: {err}", fg=typer.colors.RED, err=True)
-        raise typer.Exit(2) from err
+    _require_current_dvc_yaml(params, layout)
     result = pipeline_flow(root=str(layout.root), force=force)
     typer.echo(f"ran: {', '.join(result['ran']) or 'nothing'}; skipped: {', '.join(result['skipped']) or 'nothing'}")
 
@@ -77,10 +82,15 @@ def dvc_yaml(root: Path = typer.Option(Path(".")),
 
 
 @app.command("check-params")
-def check_params(root: Path = typer.Option(Path("."))) -> None:
-    """Validate params.yaml and print the resolved values."""
-    _, params = _load(root)
-    typer.echo(params)
+def check_params(root: Path = typer.Option(Path("."), help="project root (holds params.yaml and dvc.yaml)"),
+                 defaults: bool = typer.Option(False, "--defaults", help="print the default config instead")) -> None:
+    """Validate params.yaml (and that dvc.yaml matches it) and print the resolved config as YAML."""
+    if defaults:
+        typer.echo(params_to_yaml(Params()), nl=False)
+        return
+    layout, params = _load(root)
+    _require_current_dvc_yaml(params, layout)
+    typer.echo(params_to_yaml(params), nl=False)
 
 
 def main() -> None:  # pragma: no cover - console entry

@@ -10,7 +10,8 @@ from typing import Any
 import yaml
 from dvc.repo import Repo
 
-from flows.stages import dvc_stage_name, stage_sequence
+from flows.lineage import SOURCE_ROOT, code_deps
+from flows.stages import STAGE_FUNCTIONS, dvc_stage_name, stage_sequence
 from tasks.config import Params
 from tasks.layout import Layout
 
@@ -21,70 +22,84 @@ def _rel(layout: Layout, path: Path) -> str:
     return str(path.relative_to(layout.root))
 
 
-def stage_spec(stage: str, round_index: int | None, params: Params, layout: Layout) -> dict[str, Any]:
-    """cmd, deps, params, outs and metrics of one DVC stage."""
+def _code_deps(stage: str, layout: Layout, code_root: Path) -> list[str]:
+    """The stage module's import closure and the files it reads (flows/lineage.py), as paths from the project root
+    (plain relative paths when the code lives in the project root, as in a checkout)."""
+    files = code_deps(STAGE_FUNCTIONS[stage].__module__, code_root)
+    if code_root == layout.root:
+        return list(files)
+    return [os.path.relpath(code_root / f, layout.root) for f in files]
+
+
+def stage_spec(stage: str, round_index: int | None, params: Params, layout: Layout,
+               code_root: Path = SOURCE_ROOT) -> dict[str, Any]:
+    """cmd, deps, params, outs and metrics of one DVC stage. The code deps follow the data deps: the files of
+    `code_root` (default: the tree this code runs from) that the stage's module imports or reads
+    (flows/lineage.py), as paths from the project root (../ paths when the project root is elsewhere)."""
     rel = lambda p: _rel(layout, p)  # noqa: E731
     rounds = params.pipeline.rounds
     cmd = f"arlflow stage {stage}" + (f" --round {round_index}" if round_index is not None else "")
     if stage == "bootstrap":
-        spec = {"deps": ["envs", "agents", "models/build.py", "tasks/bootstrap.py"],
-                "params": ["pipeline.seed", "env", "bootstrap"],
+        spec = {"deps": [],
+                "params": ["pipeline.seed", "env", "harness", "bootstrap"],
                 "outs": [rel(layout.scenarios_dir), rel(layout.policy("base"))],
                 "metrics": [rel(layout.metrics_dir / "bootstrap.json")]}
+    elif stage == "curate":  # the pool is outside DVC: re-read every time; its files change with the curation
+        spec = {"deps": [], "params": ["pipeline.rounds", "rollout.pool_url"],
+                "outs": [rel(layout.curation(r)) for r in range(1, rounds + 1)],
+                "metrics": [rel(layout.metrics_dir / "curate.json")], "always_changed": True}
     elif stage == "warmstart":
-        spec = {"deps": [rel(layout.policy("base")), rel(layout.scenarios("train")), "agents", "skills",
-                         "models/trainer.py", "tasks/warmstart.py", "tasks/mine.py"],
-                "params": ["pipeline.seed", "env", "warmstart", "rollout.context", "rollout.history_turns",
-                           "rollout.tool_format", "train.zero_stage", "mine", "skills", "evaluate"],
+        spec = {"deps": [rel(layout.policy("base")), rel(layout.scenarios("train"))],
+                "params": ["pipeline.seed", "env", "harness", "warmstart", "mine", "skills"],
                 "outs": [rel(layout.policy("warmstart")), rel(layout.skills(0))],
                 "metrics": [rel(layout.metrics_dir / "warmstart.json")]}
     elif stage == "rollout":
-        deps = [rel(layout.round_policy(round_index)), rel(layout.scenarios("train")), "agents", "envs",
-                "models/hf_engine.py", "tasks/rollout.py", "tasks/skill_trials.py"]
+        deps = [rel(layout.round_policy(round_index)), rel(layout.scenarios("train"))]
         deps.append(rel(layout.skills(round_index - 1)))  # round 0's bank is the warm start's
-        spec = {"deps": deps, "params": ["pipeline.seed", "env", "rollout", "evaluate", "skills"],
+        spec = {"deps": deps, "params": ["pipeline.seed", "env", "harness", "rollout", "skills"],
                 "outs": [rel(layout.steps(round_index)), rel(layout.skill_trials(round_index))],
                 "metrics": [rel(layout.round_metrics(round_index, "rollout"))]}
     elif stage == "validate":
-        spec = {"deps": [rel(layout.steps(round_index)), "datapool/quality.py", "tasks/validate.py"],
+        spec = {"deps": [rel(layout.steps(round_index)), rel(layout.curation(round_index))],
                 "params": ["validate", "rollout.group_size"],
                 "outs": [rel(layout.validated(round_index)), rel(layout.round_metrics(round_index, "validate_report"))],
                 "metrics": [rel(layout.round_metrics(round_index, "validate"))]}
     elif stage == "mine":
-        deps = [rel(layout.steps(round_index)), rel(layout.skill_trials(round_index)), "skills", "tasks/mine.py",
-                "tasks/skill_trials.py", rel(layout.skills(round_index - 1))]
-        if params.skills.llm_miner == "policy":
+        deps = [rel(layout.steps(round_index)), rel(layout.skill_trials(round_index)),
+                rel(layout.skills(round_index - 1))]
+        if params.skills.llm.miner == "policy":
             deps.append(rel(layout.round_policy(round_index)))
         spec = {"deps": deps, "params": ["pipeline.seed", "mine", "skills"],
                 "outs": [rel(layout.skills(round_index))],
                 "metrics": [rel(layout.round_metrics(round_index, "mine"))]}
     elif stage == "train":
         spec = {"deps": [rel(layout.validated(round_index)), rel(layout.skill_trials(round_index)),
-                         rel(layout.round_policy(round_index)), "models", "tasks/train.py"],
-                "params": ["pipeline.seed", "pipeline.registered_model", "train", "skills.tau", "skills.t_min"],
+                         rel(layout.round_policy(round_index))],
+                "params": ["pipeline.seed", "pipeline.registered_model", "train", "skills.validation"],
                 "outs": [rel(layout.policy(f"round_{round_index}"))],
                 "metrics": [rel(layout.round_metrics(round_index, "train"))]}
     elif stage == "evaluate":
         deps = [rel(layout.policy(n)) for n in ["base", "warmstart"] + [f"round_{r}" for r in range(1, rounds + 1)]]
-        deps += [rel(layout.scenarios("heldout")), rel(layout.skills(rounds)), "tasks/evaluate.py"]
+        deps += [rel(layout.scenarios("heldout")), rel(layout.skills(rounds))]
         deps += [rel(layout.round_metrics(r, "rollout")) for r in range(1, rounds + 1)]
-        spec = {"deps": deps, "params": ["pipeline", "env", "evaluate", "skills", "rollout.max_new_tokens",
-                                         "rollout.context", "rollout.history_turns", "rollout.tool_format"],
+        spec = {"deps": deps, "params": ["pipeline", "env", "harness", "evaluate", "skills"],
                 "metrics": [rel(layout.evaluate_metrics)],
                 "plots": [{rel(layout.rounds_plot): {"x": "round", "y": "heldout_success_rate"}}]}
     else:  # transfer
         spec = {"deps": [rel(layout.policy("base")), rel(layout.policy("warmstart")), rel(layout.scenarios_dir),
-                         rel(layout.skills(rounds)), "tasks/transfer.py"],
-                "params": ["pipeline.seed", "env", "transfer", "warmstart", "evaluate", "skills",
-                           "rollout.max_new_tokens",
-                           "rollout.context", "rollout.history_turns", "rollout.tool_format"],
-                "outs": [rel(layout.policy(f"transfer_{params.transfer.arch}"))],
+                         rel(layout.skills(rounds))],
+                "params": ["pipeline.seed", "env", "harness", "transfer", "warmstart", "evaluate", "skills"],
+                "outs": [rel(layout.policy(f"transfer_{params.transfer.model.arch}"))],
                 "metrics": [rel(layout.transfer_metrics)]}
-    return {"cmd": cmd, **spec}
+    spec["deps"] += _code_deps(stage, layout, code_root)
+    always = spec.pop("always_changed", False)
+    return {"cmd": cmd, **spec, **({"always_changed": True} if always else {})}
 
 
-def render_dvc_yaml(params: Params, layout: Layout) -> str:
-    stages = {dvc_stage_name(s, r): stage_spec(s, r, params, layout) for s, r in stage_sequence(params.pipeline.rounds)}
+def render_dvc_yaml(params: Params, layout: Layout, code_root: Path = SOURCE_ROOT) -> str:
+    """dvc.yaml's text: every stage (rounds unrolled) and the per-round plots; the same text for the same inputs."""
+    stages = {dvc_stage_name(s, r): stage_spec(s, r, params, layout, code_root)
+              for s, r in stage_sequence(params.pipeline.rounds)}
     plots = [{"success_rate_per_round": {"template": "linear", "x": "round", "title": "success rate per round",
                                          "y": {_rel(layout, layout.rounds_plot): ["heldout_success_rate",
                                                                                   "train_success_rate"]}}},
@@ -97,8 +112,8 @@ def render_dvc_yaml(params: Params, layout: Layout) -> str:
 def check_dvc_yaml(params: Params, layout: Layout) -> None:
     path = layout.root / "dvc.yaml"
     if not path.exists() or path.read_text() != render_dvc_yaml(params, layout):
-        raise RuntimeError(f"{path} does not match params.yaml (pipeline.rounds = {params.pipeline.rounds}): "
-                           "run `arlflow dvc-yaml` to regenerate it")
+        raise RuntimeError(f"{path} does not match params.yaml (pipeline.rounds = {params.pipeline.rounds}) or the "
+                           "stages' code (their imports): run `arlflow dvc-yaml` to regenerate it")
 
 
 @contextmanager

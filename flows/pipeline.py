@@ -29,9 +29,9 @@ def _make_stage_flow(stage: str):
 
 
 STAGE_FLOWS = {stage: _make_stage_flow(stage) for stage in
-               ("bootstrap", "warmstart", *ROUND_STAGES, "evaluate", "transfer")}
+               ("bootstrap", "curate", "warmstart", *ROUND_STAGES, "evaluate", "transfer")}
 # module-level names, so deployments (infra/prefect.yaml) can point at each stage flow
-bootstrap_flow, warmstart_flow = STAGE_FLOWS["bootstrap"], STAGE_FLOWS["warmstart"]
+bootstrap_flow, curate_flow, warmstart_flow = (STAGE_FLOWS[s] for s in ("bootstrap", "curate", "warmstart"))
 rollout_flow, validate_flow, mine_flow, train_flow = (STAGE_FLOWS[s] for s in ROUND_STAGES)
 evaluate_flow, transfer_flow = STAGE_FLOWS["evaluate"], STAGE_FLOWS["transfer"]
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from tasks import bootstrap, evaluate, mine, rollout, train, transfer, validate, warmstart
+from tasks import bootstrap, curate, evaluate, mine, rollout, train, transfer, validate, warmstart
 from tasks.config import Params
 from tasks.layout import Layout
 from tasks.tracking import log_metrics, stage_run
@@ -12,6 +12,7 @@ from tasks.tracking import log_metrics, stage_run
 ROUND_STAGES = ("rollout", "validate", "mine", "train")
 STAGE_FUNCTIONS: dict[str, Callable[..., dict[str, Any]]] = {
     "bootstrap": bootstrap.run,
+    "curate": curate.run,
     "warmstart": warmstart.run,
     "rollout": rollout.run,
     "validate": validate.run,
@@ -28,7 +29,7 @@ def dvc_stage_name(stage: str, round_index: int | None) -> str:
 
 def stage_sequence(rounds: int) -> list[tuple[str, int | None]]:
     """(stage, round) in pipeline order, rounds unrolled."""
-    sequence: list[tuple[str, int | None]] = [("bootstrap", None), ("warmstart", None)]
+    sequence: list[tuple[str, int | None]] = [("bootstrap", None), ("curate", None), ("warmstart", None)]
     sequence += [(stage, r) for r in range(1, rounds + 1) for stage in ROUND_STAGES]
     return sequence + [("evaluate", None), ("transfer", None)]
 

@@ -6,13 +6,14 @@ metrics hold the unweighted value, so runs with different weights compare.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from models.checks import ConfigValueError, check_config
 from models.losses import aggregate, masked_token_mean
 from models.registry import Registry
 
@@ -21,8 +22,11 @@ AUX_LOSSES = Registry("aux_loss")
 
 @dataclass(frozen=True)
 class AuxConfig:
-    """Weights and settings of the auxiliary losses."""
+    """params.yaml ``train.aux``: which auxiliary losses run, their weights and settings."""
 
+    names: tuple[str, ...] = field(default=(), metadata={"registry": AUX_LOSSES})
+    """Auxiliary losses added to the policy loss (AUX_LOSSES: echo, seal); they read observation tokens, so they
+    need ``train.layout: concatenated``. Empty = none."""
     echo_weight: float = 0.05
     """lambda of ECHO: L = L_pg + lambda * L_env (docs/algorithms.md §6)."""
     seal_weight: float = 0.01
@@ -31,11 +35,9 @@ class AuxConfig:
     """SEAL hinge: a group costs max(0, margin - cosine distance) between success and failure centroids; in (0, 2]."""
 
     def __post_init__(self) -> None:
-        for name in ("echo_weight", "seal_weight"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0 (0 switches the loss off), got {getattr(self, name)}")
+        check_config(self, echo_weight="non_negative", seal_weight="non_negative")
         if not 0.0 < self.seal_margin <= 2.0:
-            raise ValueError(f"seal_margin must be in (0, 2] (cosine distance lies in [0, 2]), got {self.seal_margin}")
+            raise ConfigValueError("seal_margin", self.seal_margin, "in (0, 2] (cosine distance lies in [0, 2])")
 
 
 class AuxInputs(NamedTuple):

@@ -5,6 +5,7 @@ Qwen2 (or Llama) model from a config. A real user points `load_policy` at any lo
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
 
@@ -22,6 +23,8 @@ from transformers import (
     Qwen2Config,
     Qwen2ForCausalLM,
 )
+
+from models.checks import ConfigValueError, check_choice, check_config
 
 ENDOFTEXT = "<|endoftext|>"
 
@@ -63,38 +66,50 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int, *, min_frequency: int
     return PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=ENDOFTEXT, pad_token=ENDOFTEXT)
 
 
-def build_model(
-    arch: str,
-    tokenizer: PreTrainedTokenizerBase,
-    *,
-    hidden_size: int,
-    num_layers: int,
-    num_heads: int,
-    num_kv_heads: int,
-    intermediate_size: int,
-    max_position_embeddings: int,
-    seed: int,
-) -> PreTrainedModel:
-    """A randomly initialized float32 causal LM of architecture `arch` with tied embeddings, sized to `tokenizer`."""
-    if arch not in ARCHITECTURES:
-        raise ValueError(f"unknown arch {arch!r}; valid: {', '.join(sorted(ARCHITECTURES))}")
-    if hidden_size % num_heads or num_heads % num_kv_heads:
-        raise ValueError(
-            f"hidden_size ({hidden_size}) must be divisible by num_heads ({num_heads}), and num_heads by "
-            f"num_kv_heads ({num_kv_heads})"
-        )
-    config_cls, model_cls = ARCHITECTURES[arch]
+@dataclass(frozen=True)
+class TinyModelConfig:
+    """A randomly initialized decoder built from a config (params.yaml ``bootstrap.tiny``, ``transfer.model``)."""
+
+    arch: str = "qwen2"
+    """Architecture: qwen2 or llama (ARCHITECTURES)."""
+    hidden_size: int = 128
+    """Width of the residual stream."""
+    num_layers: int = 2
+    """Decoder layers."""
+    num_heads: int = 4
+    """Attention heads; must divide hidden_size."""
+    num_kv_heads: int = 2
+    """Key/value heads (grouped-query attention); must divide num_heads."""
+    intermediate_size: int = 384
+    """Width of each MLP's hidden layer."""
+    max_position_embeddings: int = 512
+    """Longest sequence (prompt + response) the model can take."""
+
+    def __post_init__(self) -> None:
+        check_choice(self, "arch", sorted(ARCHITECTURES))
+        check_config(self, hidden_size="positive", num_layers="positive", num_heads="positive",
+                     num_kv_heads="positive", intermediate_size="positive", max_position_embeddings="positive")
+        if self.hidden_size % self.num_heads:
+            raise ConfigValueError("num_heads", self.num_heads, f"a divisor of hidden_size ({self.hidden_size})")
+        if self.num_heads % self.num_kv_heads:
+            raise ConfigValueError("num_kv_heads", self.num_kv_heads, f"a divisor of num_heads ({self.num_heads})")
+
+
+def build_model(tokenizer: PreTrainedTokenizerBase, cfg: TinyModelConfig, *, seed: int) -> PreTrainedModel:
+    """A randomly initialized float32 causal LM of architecture `cfg.arch` with tied embeddings, sized to
+    `tokenizer`."""
+    config_cls, model_cls = ARCHITECTURES[cfg.arch]
     eos_id = tokenizer.eos_token_id
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_id
     bos_id = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else eos_id
     config = config_cls(
         vocab_size=len(tokenizer),
-        hidden_size=hidden_size,
-        num_hidden_layers=num_layers,
-        num_attention_heads=num_heads,
-        num_key_value_heads=num_kv_heads,
-        intermediate_size=intermediate_size,
-        max_position_embeddings=max_position_embeddings,
+        hidden_size=cfg.hidden_size,
+        num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads,
+        num_key_value_heads=cfg.num_kv_heads,
+        intermediate_size=cfg.intermediate_size,
+        max_position_embeddings=cfg.max_position_embeddings,
         tie_word_embeddings=True,
         bos_token_id=bos_id,
         eos_token_id=eos_id,

@@ -16,6 +16,8 @@ from typing import Iterator
 import deepspeed
 import torch
 
+from models.checks import check_choice, check_config
+
 DEEPSPEED_CONFIG_DIR = Path(__file__).resolve().parents[1] / "infra" / "deepspeed"
 PRECISIONS = ("auto", "fp32", "bf16")
 LR_SCHEDULES = ("constant", "cosine")
@@ -113,49 +115,74 @@ def build_ds_config(
     return config
 
 
+@dataclass(frozen=True)
+class OptimizerConfig:
+    """params.yaml ``train.optimizer`` / ``warmstart.optimizer``: AdamW, its schedule, clipping, ZeRO and precision
+    (`make_ds_engine`)."""
+
+    lr: float = 3e-4
+    """Peak learning rate of AdamW."""
+    weight_decay: float = 0.0
+    """AdamW's decoupled weight decay."""
+    grad_clip: float = 1.0
+    """Global gradient-norm clip (DeepSpeed gradient_clipping); 0 = off."""
+    zero_stage: int = 0
+    """DeepSpeed ZeRO stage 0-3 (infra/deepspeed/zero{N}.json)."""
+    precision: str = "auto"
+    """auto (bf16 on a GPU, fp32 on CPU), fp32 or bf16 (GPU only)."""
+    lr_schedule: str = "constant"
+    """constant or cosine (decays to min_lr_ratio * lr over the call's optimizer steps), after warmup_steps."""
+    warmup_steps: int = 0
+    """Optimizer steps of linear warmup from lr / warmup_steps."""
+    min_lr_ratio: float = 0.0
+    """cosine: the final learning rate as a fraction of lr."""
+
+    def __post_init__(self) -> None:
+        check_config(self, lr="positive", weight_decay="non_negative", grad_clip="non_negative",
+                     warmup_steps="non_negative", min_lr_ratio="probability")
+        check_choice(self, "zero_stage", (0, 1, 2, 3))
+        check_choice(self, "precision", PRECISIONS)
+        check_choice(self, "lr_schedule", LR_SCHEDULES)
+
+
 def make_ds_engine(
     model: torch.nn.Module,
+    optimizer: OptimizerConfig,
     *,
-    lr: float,
-    zero_stage: int = 0,
-    config_path: str | Path | None = None,
-    weight_decay: float = 0.0,
-    grad_clip: float = 1.0,
     micro_batch_size: int = 8,
     grad_accum: int = 1,
-    precision: str = "auto",
-    lr_schedule: str = "constant",
-    warmup_steps: int = 0,
     total_steps: int | None = None,
-    min_lr_ratio: float = 0.0,
+    config_path: str | Path | None = None,
 ):
     """Wraps `model` in a DeepSpeed engine with AdamW over its trainable parameters; `engine.module` is the model.
 
     Only parameters with requires_grad train (after `models.reference.apply_lora`: the adapters). A config without
     an "optimizer" section gets a client `torch.optim.AdamW` (no JIT compile); one with a section keeps it, with
     lr/weight_decay set. The learning rate follows `LrSchedule(lr_schedule, warmup_steps, total_steps,
-    min_lr_ratio)` (a torch LambdaLR that DeepSpeed steps and checkpoints), unless the config has its own
-    "scheduler" section. Precision: see `resolve_precision`.
+    min_lr_ratio)` (a torch LambdaLR that DeepSpeed steps and checkpoints; `total_steps`, the call's optimizer
+    steps, is needed by the cosine schedule), unless the config file has its own "scheduler" section. Precision:
+    see `resolve_precision`. `config_path` replaces infra/deepspeed/zero{zero_stage}.json.
     """
+    cfg = optimizer
     ensure_single_process_env()
-    config = build_ds_config(zero_stage, config_path, micro_batch_size=micro_batch_size, grad_accum=grad_accum,
-                             grad_clip=grad_clip, precision=precision)
-    schedule = LrSchedule(lr_schedule, warmup_steps, total_steps, min_lr_ratio)
+    config = build_ds_config(cfg.zero_stage, config_path, micro_batch_size=micro_batch_size, grad_accum=grad_accum,
+                             grad_clip=cfg.grad_clip, precision=cfg.precision)
+    schedule = LrSchedule(cfg.lr_schedule, cfg.warmup_steps, total_steps, cfg.min_lr_ratio)
     trainable = [p for p in model.parameters() if p.requires_grad]
     if not trainable:
         raise ValueError("the model has no parameter with requires_grad: nothing to train")
-    optimizer = None
+    client_optimizer = None
     if "optimizer" in config:
-        config["optimizer"].setdefault("params", {}).update(lr=lr, weight_decay=weight_decay)
+        config["optimizer"].setdefault("params", {}).update(lr=cfg.lr, weight_decay=cfg.weight_decay)
     else:
-        optimizer = torch.optim.AdamW(trainable, lr=lr, weight_decay=weight_decay)
+        client_optimizer = torch.optim.AdamW(trainable, lr=cfg.lr, weight_decay=cfg.weight_decay)
     scheduler = None
     if "scheduler" not in config:
         scheduler = functools.partial(torch.optim.lr_scheduler.LambdaLR, lr_lambda=schedule)
-    elif lr_schedule != "constant" or warmup_steps:
-        raise ValueError(f"config has a 'scheduler' section and lr_schedule={lr_schedule!r}/warmup_steps="
-                         f"{warmup_steps} were passed too: keep one of the two")
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=trainable, optimizer=optimizer,
+    elif cfg.lr_schedule != "constant" or cfg.warmup_steps:
+        raise ValueError(f"config has a 'scheduler' section and lr_schedule={cfg.lr_schedule!r}/warmup_steps="
+                         f"{cfg.warmup_steps} were set too: keep one of the two")
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=trainable, optimizer=client_optimizer,
                                       lr_scheduler=scheduler, config=config)
     return engine
 

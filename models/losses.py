@@ -6,14 +6,22 @@ over [B, L] tensors that are already aligned (position t holds the log-prob of t
 and with the per-trajectory advantage already broadcast to the generated tokens.
 
 `policy_objective` is what a trainer calls: the registered policy loss + beta * KL(policy || reference)
-- entropy_coef * entropy, with every term logged separately.
+- entropy_coef * entropy, with every term logged separately; `LossConfig` (params.yaml ``train.loss``) selects it.
+
+KL metrics are named by their estimator (Schulman 2020, "Approximating KL Divergence"), with r = pi / pi_old the
+token ratio: ``approx_kl_k2`` = mean 0.5 (log r)^2 and ``approx_kl_k3`` = mean (r - 1) - log r (CleanRL's
+``approx_kl``) between the policy and the rollout's old policy; ``kl_ref_<kind>`` is the penalty estimate to the
+reference policy (``kl_kind``), the term ``kl_beta`` weighs.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from models.checks import ConfigValueError, check_choice, check_config
 from models.registry import Registry
 
 LOSSES = Registry("loss")
@@ -22,6 +30,37 @@ AGGREGATIONS = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-
 KL_KINDS = ("k1", "k2", "k3")
 LOG_RATIO_CLAMP = 20.0
 K3_CLAMP = 10.0
+
+
+@dataclass(frozen=True)
+class LossConfig:
+    """params.yaml ``train.loss``: the policy loss and the terms added to it (`policy_objective`)."""
+
+    name: str = field(default="ppo_clip", metadata={"registry": LOSSES})
+    """Policy loss (LOSSES): ppo_clip (clip_low / clip_high = clip-higher, dual_clip) or vanilla_pg."""
+    clip_low: float = 0.2
+    """ppo_clip: the ratio is clipped below at 1 - clip_low."""
+    clip_high: float = 0.2
+    """ppo_clip: the ratio is clipped above at 1 + clip_high (DAPO's clip-higher when > clip_low)."""
+    dual_clip: float = 0.0
+    """Dual-clip constant c (> 1) bounding the loss of negative advantages at -c * A (3.0 in the paper); 0 = off."""
+    aggregation: str = "token-mean"
+    """How per-token losses reduce to a scalar: token-mean, seq-mean-token-sum, seq-mean-token-mean,
+    seq-mean-token-sum-norm (`aggregate`)."""
+    kl_beta: float = 0.0
+    """Weight of the KL penalty to the frozen reference policy (the round's starting policy); 0 = no reference."""
+    kl_kind: str = "k3"
+    """KL estimator of the penalty: k1, k2 or k3 (`kl_penalty`)."""
+    entropy_coef: float = 0.0
+    """Weight of the entropy bonus (subtracted from the loss); 0 = off (entropy is still logged)."""
+
+    def __post_init__(self) -> None:
+        check_config(self, clip_low="fraction", clip_high="non_negative", dual_clip="non_negative",
+                     kl_beta="non_negative", entropy_coef="non_negative")
+        check_choice(self, "aggregation", AGGREGATIONS)
+        check_choice(self, "kl_kind", KL_KINDS)
+        if 0.0 < self.dual_clip <= 1.0:
+            raise ConfigValueError("dual_clip", self.dual_clip, "0 (off) or > 1 (the usual value is 3.0)")
 
 
 def masked_token_mean(x: Tensor, mask: Tensor) -> Tensor:
@@ -61,6 +100,15 @@ def aggregate(loss_mat: Tensor, mask: Tensor, aggregation: str) -> Tensor:
     return masked_token_mean(per_seq, has_tokens)                           # []
 
 
+def _old_policy_kl(log_ratio: Tensor, valid: Tensor) -> dict[str, float]:
+    """approx_kl_k2 = mean 0.5 (log r)^2 and approx_kl_k3 = mean (r - 1) - log r over the valid tokens, with
+    log r = logp - old_logp (clamped to +-20 for the exponential). Both estimate KL(old || new) >= 0."""
+    log_ratio = log_ratio.detach().clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)  # [B, L]
+    k3 = torch.expm1(log_ratio) - log_ratio                                 # [B, L] (r - 1) - log r
+    return {"approx_kl_k2": float(masked_token_mean(0.5 * log_ratio * log_ratio, valid)),
+            "approx_kl_k3": float(masked_token_mean(k3, valid))}
+
+
 @LOSSES.register("ppo_clip")
 def ppo_clip(
     logp: Tensor,
@@ -84,7 +132,8 @@ def ppo_clip(
     2020, "Mastering Complex Control in MOBA Games with Deep Reinforcement Learning", arXiv:1912.09729.
 
     Args: logp, old_logp, advantages, mask: [B, L]. Returns the aggregated loss and metrics (clip_fraction: share of
-    valid tokens where the clipped term is the larger; approx_kl: token mean of 0.5 * (logp - old_logp)^2;
+    valid tokens where the clipped term is the larger; approx_kl_k2: token mean of 0.5 * (log r)^2;
+    approx_kl_k3: token mean of (r - 1) - log r, CleanRL's approx_kl;
     ratio_mean; dual_clip_fraction when dual_clip is set).
     """
     if dual_clip is not None and dual_clip <= 1.0:
@@ -109,7 +158,7 @@ def ppo_clip(
     with torch.no_grad():
         metrics = {name: float(masked_token_mean(m.float(), valid)) for name, m in metrics_masks.items()}
         diff = torch.where(valid, logp - old_logp, torch.zeros_like(logp)).detach()  # [B, L]
-        metrics["approx_kl"] = float(masked_token_mean(0.5 * diff * diff, valid))
+        metrics.update(_old_policy_kl(diff, valid))
         metrics["ratio_mean"] = float(masked_token_mean(ratio.detach(), valid))
     return loss, metrics
 
@@ -142,7 +191,7 @@ def vanilla_pg(
         ratio = torch.exp(diff.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))    # [B, L]
         metrics = {
             "clip_fraction": 0.0,
-            "approx_kl": float(masked_token_mean(0.5 * diff * diff, valid)),
+            **_old_policy_kl(diff, valid),
             "ratio_mean": float(masked_token_mean(ratio, valid)),
         }
     return loss, metrics
@@ -202,49 +251,43 @@ def policy_objective(
     old_logp: Tensor,
     advantages: Tensor,
     mask: Tensor,
+    cfg: LossConfig,
     *,
-    loss: str = "ppo_clip",
-    clip_low: float = 0.2,
-    clip_high: float = 0.2,
-    dual_clip: float | None = None,
-    aggregation: str = "token-mean",
     ref_logp: Tensor | None = None,
-    kl_beta: float = 0.0,
-    kl_kind: str = "k3",
     entropy: Tensor | None = None,
-    entropy_coef: float = 0.0,
 ) -> tuple[Tensor, dict[str, float]]:
-    """total = LOSSES[loss] + kl_beta * kl_penalty(logp, ref_logp) - entropy_coef * entropy (docs/algorithms.md §2).
+    """total = LOSSES[cfg.name] + kl_beta * kl_penalty(logp, ref_logp) - entropy_coef * entropy (docs/algorithms.md §2).
 
     The KL term uses the same mask and aggregation as the policy loss (GRPO's "KL in the loss", Shao et al. 2024,
     arXiv:2402.03300); the entropy bonus follows Schulman et al. 2017, arXiv:1707.06347 (eq. 9).
 
     Args: logp, old_logp, advantages, mask, ref_logp: [B, L]; entropy: the scalar from `entropy_from_logits` (computed
     by the caller, who holds the logits). ref_logp may be given with kl_beta 0 to log the KL only.
-    Returns (total, metrics): the policy loss's own metrics plus pg_loss, kl_loss (when ref_logp is given), entropy
-    (when given) and loss (the total).
+    Returns (total, metrics): the policy loss's own metrics plus pg_loss, kl_loss and kl_ref_<kl_kind> (the
+    penalty's KL estimate, when ref_logp is given), entropy (when given) and loss (the total).
     """
-    if kl_beta != 0.0 and ref_logp is None:
-        raise ValueError(f"kl_beta is {kl_beta} but no ref_logp was given: pass the reference policy's log-probs "
+    if cfg.kl_beta != 0.0 and ref_logp is None:
+        raise ValueError(f"kl_beta is {cfg.kl_beta} but no ref_logp was given: pass the reference policy's log-probs "
                          f"or set kl_beta to 0")
-    if entropy_coef != 0.0 and entropy is None:
-        raise ValueError(f"entropy_coef is {entropy_coef} but no entropy was given: pass "
+    if cfg.entropy_coef != 0.0 and entropy is None:
+        raise ValueError(f"entropy_coef is {cfg.entropy_coef} but no entropy was given: pass "
                          f"entropy_from_logits(logits, mask, aggregation) or set entropy_coef to 0")
-    pg_loss, metrics = LOSSES[loss](
-        logp, old_logp, advantages, mask,
-        clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip, aggregation=aggregation,
+    pg_loss, metrics = LOSSES[cfg.name](
+        logp, old_logp, advantages, mask, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
+        dual_clip=cfg.dual_clip or None, aggregation=cfg.aggregation,
     )
     total = pg_loss                                                         # []
     metrics["pg_loss"] = float(pg_loss.detach())
     if ref_logp is not None:
-        kl = kl_penalty(logp, ref_logp, mask, kind=kl_kind, aggregation=aggregation)  # []
+        kl = kl_penalty(logp, ref_logp, mask, kind=cfg.kl_kind, aggregation=cfg.aggregation)  # []
         metrics["kl_loss"] = float(kl.detach())
-        if kl_beta != 0.0:
-            total = total + kl_beta * kl
+        metrics[f"kl_ref_{cfg.kl_kind}"] = metrics["kl_loss"]
+        if cfg.kl_beta != 0.0:
+            total = total + cfg.kl_beta * kl
     if entropy is not None:
         metrics["entropy"] = float(entropy.detach())
-        if entropy_coef != 0.0:
-            total = total - entropy_coef * entropy
+        if cfg.entropy_coef != 0.0:
+            total = total - cfg.entropy_coef * entropy
     metrics["loss"] = float(total.detach())
     return total, metrics
 

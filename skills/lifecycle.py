@@ -23,6 +23,7 @@ from typing import Any, Iterable, Sequence
 import os
 import shutil
 
+from models.checks import check_config
 from skills.bank import (CANDIDATES_DIR, CHANGELOG_FILE, REJECTED_DIR, Skill, SkillFormatError, _atomic_write_text, load_bank, read_skill,
                          skill_to_text, write_bank, write_skill)
 
@@ -79,6 +80,21 @@ def load_rejected(bank_dir: str | Path) -> list[Skill]:
     """The rejected candidates of a bank (with ``stats["evidence"]``); empty if there are none."""
     folder = Path(bank_dir) / REJECTED_DIR
     return load_bank(folder) if folder.is_dir() else []
+
+
+@dataclass(frozen=True)
+class PruneConfig:
+    """params.yaml ``skills.prune``: when live skills leave the bank (`prune_skills`)."""
+
+    min_utility: float = -0.05
+    """Prune live skills whose utility estimate falls below this."""
+    max_idle_rounds: int = 2
+    """Prune live skills not shown in a rollout for more than this many rounds."""
+    max_bank_size: int = 8
+    """Most live skills; the lowest-utility ones beyond it are pruned."""
+
+    def __post_init__(self) -> None:
+        check_config(self, max_idle_rounds="non_negative", max_bank_size="non_negative")
 
 
 def prune_skills(skills: Sequence[Skill], *, current_round: int, min_utility: float | None = None,

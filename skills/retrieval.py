@@ -40,6 +40,8 @@ def skill_text(skill: Skill) -> str:
 
 @dataclass(frozen=True)
 class RetrievalConfig:
+    """params.yaml ``skills.retrieval``: which skills fill a prompt's skill slot (`SkillRetriever`)."""
+
     alpha: float = 0.5
     """Weight of the task cosine; 1 - alpha weighs the state cosine (section 9 suggests 0.4-0.5)."""
     k: int = 3

@@ -19,12 +19,26 @@ import random
 from dataclasses import dataclass, replace
 from typing import Any, Mapping, NamedTuple, Sequence
 
+from models.checks import check_config
 from skills.bank import Skill
 
 TAU = 0.0
 """Promotion threshold on u(c) (docs/algorithms.md §9)."""
 T_MIN = 1.0
 """Welch t a candidate must exceed when both halves have a variance."""
+
+
+@dataclass(frozen=True)
+class ValidationConfig:
+    """params.yaml ``skills.validation``: when a tested candidate is promoted (`utility`)."""
+
+    tau: float = TAU
+    """Promotion threshold on u(c) = mean R(aug) - mean R(base)."""
+    t_min: float = T_MIN
+    """Welch t a candidate must exceed (when both halves have a variance)."""
+
+    def __post_init__(self) -> None:
+        check_config(self)
 
 
 def seed_slots(group_size: int) -> list[int]:

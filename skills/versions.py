@@ -39,6 +39,8 @@ QUADRATURE_CELLS = 8192
 
 @dataclass(frozen=True)
 class VersionConfig:
+    """params.yaml ``skills.versions``: Thompson sampling over a skill's versions, and their retirement."""
+
     gamma: float = 0.9
     """Discount of every version's evidence at each update, in [0.8, 0.99]."""
     min_uses: int = 10

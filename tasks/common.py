@@ -8,18 +8,19 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from dataclasses import replace
+
 import torch
 
 from agents.rollout import SkillsFor, run_episodes, summarize
 from datapool.records import TrajectoryRecord
 from envs.base import Scenario
-from envs.textworld_cooking import TextWorldCooking, generate_games
+from envs.textworld_cooking import TextWorldCooking
+from envs.textworld_games import generate_games
 from models.build import load_policy
-from models.engine import SamplingParams
 from models.hf_engine import TransformersEngine
 from skills.bank import Skill, load_bank
 from skills.lifecycle import RoundBank
-from skills.versions import VersionConfig
 from tasks.skill_trials import SkillProgram
 from tasks.config import Params
 from tasks.layout import Layout, require
@@ -83,7 +84,7 @@ def pregenerate_games(scenarios: list[Scenario], kwargs_by_env: dict[str, dict[s
 def episode_options(params: Params, layout: Layout | None = None) -> dict[str, Any]:
     """The harness options every stage runs episodes (and expert demos) with: one place, so rollout, evaluation
     and warm start render prompts the same way."""
-    return {"context": params.rollout.context, "history_turns": params.rollout.history_turns,
+    return {"context": params.harness.context, "history_turns": params.harness.history_turns,
             "env_kwargs": env_kwargs(params, layout)}
 
 
@@ -97,22 +98,27 @@ def load_engine(path: Path, policy_version: str, produced_by: str) -> Transforme
     return TransformersEngine(model, tokenizer, policy_version=policy_version)
 
 
+def skills_per_step(params: Params) -> bool:
+    """Whether the skill slot is re-retrieved every turn (skills.retrieval.mode per_step) or once per episode."""
+    return params.skills.retrieval.mode == "per_step"
+
+
 def skill_program(bank: RoundBank, params: Params, *, tests: bool = True) -> SkillProgram:
     """The skill slot of a rollout or an evaluation over ``bank``: state-grounded retrieval over its live skills
     (score = alpha*cos(task) + (1-alpha)*cos(observation), MMR, the floor; skills/retrieval.py) with the configured
     embedder, callable macros, and with ``tests`` the lifecycle's paired tests (candidates, skill-free halves,
     Thompson-sampled versions; tasks/skill_trials.py). The rollout loop asks at reset, and every turn with
-    evaluate.skills_per_step."""
-    cfg, life = params.evaluate, params.skills
-    return SkillProgram(bank, k=cfg.skills_k, alpha=cfg.skills_alpha, floor=cfg.skills_floor, embedder=life.embedder,
-                        ucb_c=life.ucb_c if tests else 0.0, macros=life.macros, validate=tests and life.validate, paired=tests and life.paired,
-                        skip_arm=tests and life.skip_arm,
-                        version_config=VersionConfig(gamma=life.versions_gamma, min_uses=life.versions_min_uses))
+    skills.retrieval.mode per_step."""
+    life = params.skills
+    cfg = life.retrieval
+    return SkillProgram(bank, k=cfg.k, alpha=cfg.alpha, floor=cfg.floor, embedder=life.embedder,
+                        ucb_c=cfg.ucb_c if tests else 0.0, macros=life.macros, validate=tests and life.validate,
+                        paired=tests and life.paired, skip_arm=tests and life.skip_arm, version_config=life.versions)
 
 
 def skill_slot(skills: list[Skill], params: Params) -> SkillsFor | None:
     """The plain skill slot over ``skills`` (no tests): None when there is nothing to show."""
-    if not skills or params.evaluate.skills_k <= 0:
+    if not skills or params.skills.retrieval.k <= 0:
         return None
     return skill_program(RoundBank(live=list(skills)), params, tests=False).skills_for
 
@@ -127,14 +133,13 @@ def evaluate_policy(engine: TransformersEngine, scenarios: list[Scenario], param
                     layout: Layout | None = None, skills: list[Skill] | None = None, label: str = ""
                     ) -> tuple[dict[str, Any], list[TrajectoryRecord]]:
     """One episode per held-out scenario (greedy by default); returns the summary and the trajectories."""
-    sampling = SamplingParams(max_new_tokens=params.rollout.max_new_tokens, temperature=params.evaluate.temperature,
-                              seed=params.pipeline.seed)
+    sampling = replace(params.evaluate.sampling, seed=params.pipeline.seed)
     trajectories = run_episodes(engine, engine.tokenizer, scenarios, group_size=1, sampling=sampling,
                                 round_index=0, **episode_options(params, layout),
-                                process_alpha=params.rollout.process_alpha,
+                                process_alpha=params.harness.process_alpha,
                                 skills_for=skill_slot(skills or [], params),
-                                skills_per_step=params.evaluate.skills_per_step,
-                                step_timeout_s=params.rollout.step_timeout_s,
+                                skills_per_step=skills_per_step(params),
+                                step_timeout_s=params.harness.step_timeout_s,
                                 progress=bool(label), seed=params.pipeline.seed)
     summary = summarize(trajectories)
     envs_seen = sorted({t.env for t in trajectories})

@@ -1,398 +1,183 @@
-"""params.yaml: one section per stage, each mapped to a frozen dataclass; one strict loader.
+"""params.yaml: loading, checking and writing the config (the sections themselves are in tasks/sections.py).
 
-The loader rejects unknown sections and keys and wrong types with an error that names the section, the key and the
-valid keys, before any stage writes anything.
+Loading validates everything before any stage runs or writes: YAML syntax, duplicate keys, an empty file, unknown
+sections and keys, types, value ranges (each config's ``__post_init__``), registry names (a field whose metadata
+names a registry), env kwargs (each env's constructor), and cross-section consistency (`check_params`). Every
+problem is a one-line ``ParamsError`` that names the key and says what is valid. A dataclass with a ``name`` or
+``method`` field also accepts that string alone (``train.advantage: gigpo`` is ``{name: gigpo}``).
 """
 from __future__ import annotations
 
 import dataclasses
 import inspect
+import re
+import types
 import typing
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-import envs  # noqa: F401  (importing the package registers every env)
-from agents.context import CONTEXT_MANAGERS
-from agents.templates import TOOL_FORMATS
+import models.skill_advantages  # noqa: F401  (registers the skill-credit estimators in ADVANTAGES)
 from envs.base import ENVS
+from models.checks import ConfigValueError
+from tasks.sections import SECTIONS, Params  # noqa: F401 - Params: part of the config API (from tasks.config)
 
 
 class ParamsError(ValueError):
-    """params.yaml is malformed: the message says which section/key and what is valid."""
+    """params.yaml is malformed: the message says which key and what is valid."""
 
 
-MINE_METHODS: tuple[str, ...] = ("frequent", "mdl")
-FROZENLAKE_DEFAULTS: dict[str, Any] = {"size": 4, "p_frozen": 0.8, "max_steps": 12, "is_slippery": False,
-                                       "invalid_penalty": 0.1}
+SHORTHAND_FIELDS = ("name", "method")
+"""A mapping section whose dataclass has one of these fields may be written as that field's value alone."""
 
 
-@dataclass(frozen=True)
-class EnvConfig:
-    name: str = "frozenlake"
-    """Registered env name (see envs.ENVS) of every scenario, when ``mix`` is empty."""
-    mix: dict[str, int] = field(default_factory=dict)
-    """A mix of envs: env name -> number of train scenarios (each env also gets bootstrap.heldout_scenarios held-out
-    ones). Non-empty overrides ``name`` and bootstrap.train_scenarios."""
-    kwargs: dict[str, dict[str, Any]] = field(default_factory=lambda: {"frozenlake": dict(FROZENLAKE_DEFAULTS)})
-    """Env name -> constructor kwargs, checked against the env's signature; envs not listed use their own defaults.
-    The default holds the embedded default's FrozenLake settings (a section that sets ``kwargs`` replaces it)."""
+# ------------------------------------------------------------------------------------------------- the loader
 
-    @property
-    def names(self) -> tuple[str, ...]:
-        """The envs of the scenario sets, in a fixed order."""
-        return tuple(sorted(self.mix)) if self.mix else (self.name,)
+def _settable(cls: type) -> list[dataclasses.Field]:
+    """The fields params.yaml may set (a field with metadata ``params: False`` is derived by the stages)."""
+    return [f for f in dataclasses.fields(cls) if f.metadata.get("params", True)]
 
 
-@dataclass(frozen=True)
-class PipelineConfig:
-    rounds: int = 3
-    """Number of rollout -> validate -> mine -> train rounds (unrolled in dvc.yaml: `arlflow dvc-yaml` rewrites it)."""
-    seed: int = 0
-    """Global seed: scenario splits, model init, sampling and data order derive from it."""
-    experiment: str = "arlflow"
-    """MLflow experiment name."""
-    registered_model: str = "arlflow-policy"
-    """MLflow registered model name for the round policies."""
+def _type_name(expected: Any) -> str:
+    origin = typing.get_origin(expected)
+    if origin is tuple:
+        return "a list of strings"
+    if origin is dict:
+        return "a mapping"
+    if origin is typing.Literal:
+        return f"one of {list(typing.get_args(expected))}"
+    if dataclasses.is_dataclass(expected):
+        return "a mapping of keys"
+    return getattr(expected, "__name__", str(expected))
 
 
-@dataclass(frozen=True)
-class BootstrapConfig:
-    model: str = ""
-    """Path to a Hugging Face model folder to use as the base policy; empty builds the tiny local model."""
-    arch: str = "qwen2"
-    """Architecture of the tiny model: qwen2 or llama."""
-    vocab_size: int = 384
-    hidden_size: int = 128
-    num_layers: int = 2
-    num_heads: int = 4
-    num_kv_heads: int = 2
-    intermediate_size: int = 384
-    max_position_embeddings: int = 512
-    tokenizer_corpus_episodes: int = 400
-    """Expert and random episodes whose prompts and actions train the BPE tokenizer."""
-    train_scenarios: int = 512
-    heldout_scenarios: int = 200
+def _wrong(path: str, expected: Any, value: Any) -> ParamsError:
+    return ParamsError(f"params.yaml: {path} must be {_type_name(expected)}, got {value!r} ({type(value).__name__})")
 
 
-@dataclass(frozen=True)
-class WarmstartConfig:
-    enabled: bool = True
-    """False skips SFT (the warm-start policy is then the base policy)."""
-    demo_scenarios: int = 512
-    """Train scenarios whose expert trajectories are the SFT data."""
-    skill_demos: float = 0.5
-    """Skill-aware warm start: mine a bank (mine.method) from the expert demonstrations (artifacts/skills/round_0;
-    its skills are candidates the first rollout validates, with skills.validate); this fraction of the scenarios is
-    demonstrated a second time showing its skills, calling a shown macro wherever it is what the expert does next
-    (every scenario keeps its plain demonstration). 0 = off."""
-    epochs: int = 2
-    lr: float = 0.001
-    micro_batch_size: int = 64
+def _check_registry(path: str, spec: dataclasses.Field, value: Any) -> None:
+    registry = spec.metadata.get("registry")
+    if registry is None:
+        return
+    names = registry.names() if hasattr(registry, "names") else sorted(registry)
+    kind = getattr(registry, "kind", spec.name)
+    for item in (value if isinstance(value, tuple) else (value,)):
+        if item not in registry:
+            raise ParamsError(f"params.yaml: {path} = {item!r} is not a registered {kind}; valid: {names}")
 
 
-@dataclass(frozen=True)
-class RolloutConfig:
-    scenarios_per_round: int = 64
-    """Train scenarios sampled (without replacement, per round) for this round's groups."""
-    group_size: int = 8
-    """G: rollouts per scenario."""
-    temperature: float = 1.0
-    top_p: float = 1.0
-    max_new_tokens: int = 4
-    context: str = "window"
-    """Context manager (agents/context.py): full, window (last history_turns turns) or fold (HIPIF subgoal folding)."""
-    history_turns: int = 0
-    """Earlier (state, action) turns kept in the prompt (window context manager); 0 = current state only."""
-    process_alpha: float = 0.1
-    """fold: process reward +-alpha on a step that closes a subgoal, by the env's subgoal progress."""
-    tool_format: str = "text"
-    """How warm-start demos write tool envs' actions: text (the env's grammar, search[q]) or openai (JSON tool
-    calls). The rollout parser accepts both."""
-    max_generation_batches: int = 1
-    """Dynamic sampling (DAPO): up to this many generation batches per round; batches after the first draw fresh
-    scenarios for the shortfall of groups with a learning signal. 1 = no re-sampling."""
-    use_skills: bool = True
-    """Put the skill retrieved from the previous round's bank in the prompt's skill slot."""
-    step_timeout_s: float = 10.0
-    pool_url: str = ""
-    """SQLAlchemy URL of the data pool; empty = sqlite under data/pool.db (WAL)."""
-
-
-@dataclass(frozen=True)
-class ValidateConfig:
-    max_prompt_tokens: int = 256
-    max_response_tokens: int = 8
-    reward_min: float = -1.0
-    reward_max: float = 1.0
-    drop_zero_variance: bool = True
-    """Drop groups whose returns are all equal (no GRPO signal); counted in metrics."""
-
-
-@dataclass(frozen=True)
-class MineConfig:
-    method: str = "frequent"
-    """frequent: action sub-sequences by support (min_length..max_length, min_support, top_k); mdl: slot-abstracted
-    macros chosen by minimum description length (skills/mdl.py; max_length, min_count, top_k)."""
-    min_length: int = 2
-    max_length: int = 4
-    min_support: float = 0.2
-    top_k: int = 5
-    min_count: int = 2
-    """mdl: a macro must occur at least this many times."""
-
-
-@dataclass(frozen=True)
-class TrainConfig:
-    advantage: str = "grpo"
-    """Advantage estimator (models.advantages.ADVANTAGES): grpo, dr_grpo, rloo, reinforce_pp, reinforce_pp_baseline,
-    gigpo, graphgpo, turn_level."""
-    loss: str = "ppo_clip"
-    """Policy loss (models.losses.LOSSES): ppo_clip, vanilla_pg."""
-    aggregation: str = "token-mean"
-    """Loss aggregation: token-mean, seq-mean-token-sum, seq-mean-token-mean, seq-mean-token-sum-norm."""
-    filters: tuple[str, ...] = ()
-    """Data filters and shaping before the advantages (datapool.filters.FILTERS), applied in this order. Empty by
-    default: FrozenLake's turn limit is part of the task, so "truncated" would drop real failures."""
-    aux: tuple[str, ...] = ()
-    """Auxiliary losses (models.aux_losses.AUX_LOSSES): echo and seal need layout: concatenated."""
-    layout: str = "step_rows"
-    """step_rows (one row per step, anchors for step-level credit) or concatenated (one sequence per trajectory)."""
-    lr: float = 0.0005
-    epochs: int = 2
-    micro_batch_size: int = 64
-    """Rows per forward pass (and per optimizer step unless mini_batch_size is set)."""
-    mini_batch_size: int = 0
-    """Rows per optimizer step; 0 = micro_batch_size (gradient accumulation when larger)."""
-    token_budget: int = 0
-    """Padded tokens per forward pass (rows x longest); 0 = no budget, micro_batch_size only."""
-    clip_low: float = 0.2
-    clip_high: float = 0.28
-    dual_clip: float = 0.0
-    """Dual-clip constant c for negative advantages (3.0 in the paper); 0 = off."""
-    kl_beta: float = 0.0
-    """Weight of the KL penalty to the frozen reference policy (the round's starting policy); 0 = no reference."""
-    kl_kind: str = "k3"
-    entropy_coef: float = 0.0
-    gamma: float = 0.95
-    """Step discount of gigpo / graphgpo / turn_level step returns."""
-    omega: float = 1.0
-    """gigpo: A = A^E + omega * A^S."""
-    process_weight: float = 0.0
-    """fold context (HIPIF): A = A + process_weight * A^proc, A^proc = the steps' process rewards normalized within
-    their group (docs/algorithms.md section 10); 0 = off."""
-    anchor_mode: str = "exact"
-    """gigpo/graphgpo anchor grouping: exact or fuzzy."""
-    echo_weight: float = 0.05
-    seal_weight: float = 0.01
-    lora_r: int = 0
-    """LoRA rank via peft (0 = full fine-tuning); the saved policy has the adapters merged."""
-    internalize_coef: float = 0.0
-    """SIRI internalization: > 0 adds the distillation term on beneficial skill-guided action tokens, scored on the
-    prompt WITHOUT the skill (weight w_t = coef * min(u * A_t, internalize_w_max)), so the policy needs no skill at
-    inference. 0 = off."""
-    internalize_w_max: float = 1.0
-    overlong_max_tokens: int = 64
-    """overlong filter: total response tokens of a trajectory at which the full penalty applies."""
-    overlong_buffer_tokens: int = 16
-    zero_stage: int = 0
-    """DeepSpeed ZeRO stage (infra/deepspeed/zero{N}.json)."""
-    checkpoint_every: int = 20
-    """Optimizer steps between resumable checkpoints (under artifacts/checkpoints/train_<round>)."""
-
-
-@dataclass(frozen=True)
-class EvaluateConfig:
-    temperature: float = 0.0
-    """0 = greedy decoding on held-out scenarios."""
-    skills_k: int = 1
-    """Skills put in the prompt's skill slot (rollout and evaluation); 0 = none."""
-    skills_alpha: float = 0.5
-    """Retrieval score alpha*cos(skill, task) + (1-alpha)*cos(skill, observation) (docs/algorithms.md section 9)."""
-    skills_per_step: bool = False
-    """Re-retrieve skills every turn from the current observation; False = once per episode, at reset."""
-    skills_floor: float = 0.0
-    """Least relevance a retrieved skill needs. 0 always fills the slot with the best k; raise it (e.g. 0.1 for
-    TF-IDF, 0.3 for MiniLM) to leave the slot empty when nothing in the bank matches."""
-
-
-SKILL_EMBEDDERS: tuple[str, ...] = ("tfidf", "minilm")
-
-
-@dataclass(frozen=True)
-class SkillsConfig:
-    """The skill lifecycle (skills/, docs/algorithms.md section 9): which candidates enter the bank, how skills are shown,
-    versioned and pruned. Retrieval knobs (k, alpha, per step, floor) are evaluate.skills_*."""
-    validate: bool = True
-    """Mined candidates go through paired validation in the next rollout (base vs base + candidate halves of a
-    group, same scenario) and enter the bank only if they help; False adds them to the bank directly."""
-    tau: float = 0.0
-    """Promotion threshold on u(c) = mean R(aug) - mean R(base)."""
-    t_min: float = 1.0
-    """Welch t a candidate must exceed (when both halves have a variance)."""
-    paired: bool = True
-    """Groups without a candidate split into skill-free and skill-guided halves: live skills' utility (for pruning),
-    skill_used for the skillc/d2skill estimators, and data for internalization."""
-    macros: bool = True
-    """Skills with a macro are callable as one action ("skill 1", then the slot arguments)."""
-    embedder: str = "tfidf"
-    """Retrieval embeddings: tfidf (fitted on the bank) or minilm (offline all-MiniLM-L6-v2; falls back to TF-IDF
-    with a warning when the package is absent)."""
-    ucb_c: float = 0.0
-    """Retrieval's UCB exploration bonus c*sqrt(ln(1+N)/(1+n)) over skills' uses (0 = off; 0.05 in section 9)."""
-    max_candidates: int = 3
-    """New candidates added per round (the miner's best first)."""
-    versions_gamma: float = 0.9
-    """Discount of every version's Thompson evidence per group update (0.8-0.99)."""
-    versions_min_uses: int = 10
-    """Rollouts a version needs before it can retire."""
-    skip_arm: bool = False
-    """SelSkill: "skip" (no skill in the prompt) competes with a skill's versions."""
-    llm_miner: str = ""
-    """LLM miner and reviser: "" (off), "policy" (the round's policy writes skills), or the base URL of any
-    OpenAI-compatible endpoint (e.g. the gateway, http://127.0.0.1:8000/v1)."""
-    llm_model: str = ""
-    """Model name sent to the endpoint."""
-    llm_api_key_env: str = ""
-    """Name of the environment variable holding the endpoint's API key (the key itself never goes in params)."""
-    prune_min_utility: float = -0.05
-    """Prune live skills whose utility estimate falls below this."""
-    prune_max_idle_rounds: int = 2
-    """Prune live skills not shown in a rollout for more than this many rounds."""
-    max_bank_size: int = 8
-    """Most live skills; the lowest-utility ones beyond it are pruned."""
-
-
-@dataclass(frozen=True)
-class TransferConfig:
-    arch: str = "llama"
-    """Architecture of the second tiny model, warm-started like the policy."""
-    hidden_size: int = 128
-    num_layers: int = 2
-    num_heads: int = 4
-    num_kv_heads: int = 2
-    intermediate_size: int = 384
-
-
-@dataclass(frozen=True)
-class Params:
-    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
-    env: EnvConfig = field(default_factory=EnvConfig)
-    bootstrap: BootstrapConfig = field(default_factory=BootstrapConfig)
-    warmstart: WarmstartConfig = field(default_factory=WarmstartConfig)
-    rollout: RolloutConfig = field(default_factory=RolloutConfig)
-    validate: ValidateConfig = field(default_factory=ValidateConfig)
-    mine: MineConfig = field(default_factory=MineConfig)
-    train: TrainConfig = field(default_factory=TrainConfig)
-    evaluate: EvaluateConfig = field(default_factory=EvaluateConfig)
-    skills: SkillsConfig = field(default_factory=SkillsConfig)
-    transfer: TransferConfig = field(default_factory=TransferConfig)
-
-
-SECTIONS: dict[str, type] = {f.name: typing.get_type_hints(Params)[f.name] for f in dataclasses.fields(Params)}
-
-
-def _coerce(section: str, key: str, expected: Any, value: Any) -> Any:
-    """Check one value against its annotated type (int accepted for float; bool never accepted for int)."""
-    ok: bool
+def _coerce(path: str, expected: Any, value: Any, default: Any) -> Any:
+    """``value`` checked against the annotation ``expected`` (int is accepted for float, bool never for int);
+    nested dataclasses are built on top of ``default``."""
+    origin = typing.get_origin(expected)
+    if origin in (typing.Union, types.UnionType):
+        options = [a for a in typing.get_args(expected) if a is not type(None)]
+        if value is None and len(options) < len(typing.get_args(expected)):
+            return None
+        return _coerce(path, options[0], value, default)
+    if dataclasses.is_dataclass(expected):
+        return build_config(expected, value, path, default)
     if expected is float:
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-        value = float(value) if ok else value
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
     elif expected is int:
-        ok = isinstance(value, int) and not isinstance(value, bool)
-    elif expected is bool:
-        ok = isinstance(value, bool)
-    elif expected is str:
-        ok = isinstance(value, str)
-    elif typing.get_origin(expected) is tuple:  # tuple[str, ...]: a YAML list of strings
-        ok = isinstance(value, (list, tuple)) and all(isinstance(item, str) for item in value)
-        value = tuple(value) if ok else value
-    elif typing.get_origin(expected) is dict:  # dict[str, int] or dict[str, dict[str, Any]]: a YAML mapping
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif expected is bool or expected is str:
+        if isinstance(value, expected):
+            return value
+    elif origin is typing.Literal:
+        if value in typing.get_args(expected):
+            return value
+    elif origin is tuple:  # tuple[str, ...]: a YAML list of strings
+        if isinstance(value, list) and all(isinstance(item, str) for item in value):
+            return tuple(value)
+    elif origin is dict:  # dict[str, int] or dict[str, dict[str, Any]]: a YAML mapping
         inner = typing.get_args(expected)[1]
         check = ((lambda v: isinstance(v, int) and not isinstance(v, bool)) if inner is int
                  else (lambda v: isinstance(v, dict) and all(isinstance(k, str) for k in v)))
-        ok = isinstance(value, dict) and all(isinstance(k, str) and check(v) for k, v in value.items())
-        value = {k: dict(v) if isinstance(v, dict) else v for k, v in value.items()} if ok else value
+        if isinstance(value, dict) and all(isinstance(k, str) and check(v) for k, v in value.items()):
+            return {k: dict(v) if isinstance(v, dict) else v for k, v in value.items()}
     else:
-        raise TypeError(f"tasks/config.py: unsupported annotation {expected!r} for {section}.{key}")
-    if not ok:
-        name = ("a list of strings" if typing.get_origin(expected) is tuple
-                else f"a mapping {expected}" if typing.get_origin(expected) is dict
-                else getattr(expected, "__name__", str(expected)))
-        raise ParamsError(f"params.yaml: {section}.{key} must be {name}, got {value!r} ({type(value).__name__})")
-    return value
+        raise TypeError(f"tasks/config.py: unsupported annotation {expected!r} for {path}")
+    raise _wrong(path, expected, value)
 
 
-def _build_section(section: str, cls: type, raw: Any) -> Any:
+def build_config(cls: type, raw: Any, path: str, default: Any = None) -> Any:
+    """An instance of the config dataclass ``cls`` from its parsed YAML ``raw``: the keys given replace those of
+    ``default`` (``cls()`` when None). Every problem raises ParamsError naming ``path.key``."""
+    base = default if default is not None else cls()
+    fields = {f.name: f for f in _settable(cls)}
+    if isinstance(raw, str):
+        shorthand = [name for name in SHORTHAND_FIELDS if name in fields]
+        if shorthand:
+            raw = {shorthand[0]: raw}
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):
-        raise ParamsError(f"params.yaml: section {section!r} must be a mapping of keys, got {type(raw).__name__}")
-    hints = typing.get_type_hints(cls)
-    valid = [f.name for f in dataclasses.fields(cls)]
-    unknown = sorted(set(raw) - set(valid))
+        raise _wrong(path, cls, raw)
+    unknown = sorted(str(key) for key in raw if key not in fields)
     if unknown:
-        raise ParamsError(f"params.yaml: unknown key(s) {unknown} in section {section!r}; valid keys: {valid}")
-    values = {key: _coerce(section, key, hints[key], value) for key, value in raw.items()}
-    return cls(**values)
+        raise ParamsError(f"params.yaml: unknown key(s) {unknown} in {path}; valid keys: {list(fields)}")
+    hints = typing.get_type_hints(cls)
+    values = {}
+    for key, value in raw.items():
+        values[key] = _coerce(f"{path}.{key}", hints[key], value, getattr(base, key))
+        _check_registry(f"{path}.{key}", fields[key], values[key])
+    try:
+        return dataclasses.replace(base, **values)
+    except ConfigValueError as err:
+        raise ParamsError(f"params.yaml: {path}.{err}") from err
+    except (ValueError, TypeError, KeyError) as err:
+        raise ParamsError(f"params.yaml: {path}: {err}") from err
 
 
 def parse_params(raw: Any) -> Params:
-    """Build Params from a parsed YAML mapping; every problem raises ParamsError naming section and key."""
+    """Build Params from a parsed YAML mapping; every problem raises ParamsError naming the key."""
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):
-        raise ParamsError("params.yaml must be a mapping of sections")
-    unknown = sorted(set(raw) - set(SECTIONS))
+        raise ParamsError(f"params.yaml must be a mapping of sections {list(SECTIONS)}, got {type(raw).__name__}")
+    unknown = sorted(str(key) for key in raw if key not in SECTIONS)
     if unknown:
         raise ParamsError(f"params.yaml: unknown section(s) {unknown}; valid sections: {list(SECTIONS)}")
-    params = Params(**{name: _build_section(name, cls, raw.get(name)) for name, cls in SECTIONS.items()})
+    defaults = Params()
+    sections = {name: build_config(type(getattr(defaults, name)), raw.get(name), name, getattr(defaults, name))
+                for name in SECTIONS}
+    params = Params(**sections)
     check_params(params)
     return params
 
 
 def check_params(params: Params) -> None:
-    """Reject combinations that cannot run, saying how to fix them."""
-    if params.pipeline.rounds < 1:
-        raise ParamsError("params.yaml: pipeline.rounds must be >= 1")
-    if params.rollout.group_size < 2:
-        raise ParamsError("params.yaml: rollout.group_size must be >= 2 (group-normalized advantages need a group)")
-    if params.bootstrap.arch not in ("qwen2", "llama"):
-        raise ParamsError(f"params.yaml: bootstrap.arch must be one of ['qwen2', 'llama'], got {params.bootstrap.arch!r}")
-    if params.transfer.arch not in ("qwen2", "llama"):
-        raise ParamsError(f"params.yaml: transfer.arch must be one of ['qwen2', 'llama'], got {params.transfer.arch!r}")
-    if params.train.layout not in ("step_rows", "concatenated"):
-        raise ParamsError(f"params.yaml: train.layout must be step_rows or concatenated, got {params.train.layout!r}")
-    if params.train.aux and params.train.layout != "concatenated":
-        raise ParamsError(f"params.yaml: train.aux {list(params.train.aux)} needs train.layout: concatenated (the "
-                          "auxiliary losses read observation tokens inside whole-trajectory sequences)")
-    if params.train.zero_stage not in (0, 1, 2, 3):
-        raise ParamsError(f"params.yaml: train.zero_stage must be 0-3, got {params.train.zero_stage}")
-    if params.skills.embedder not in SKILL_EMBEDDERS:
-        raise ParamsError(f"params.yaml: skills.embedder must be one of {list(SKILL_EMBEDDERS)}, "
-                          f"got {params.skills.embedder!r}")
-    if not 0.8 <= params.skills.versions_gamma <= 0.99:
-        raise ParamsError(f"params.yaml: skills.versions_gamma must be in [0.8, 0.99], got {params.skills.versions_gamma}")
-    if params.skills.ucb_c < 0:
-        raise ParamsError(f"params.yaml: skills.ucb_c must be >= 0, got {params.skills.ucb_c}")
-    if params.skills.max_bank_size < 0 or params.skills.max_candidates < 0 or params.skills.prune_max_idle_rounds < 0:
-        raise ParamsError("params.yaml: skills.max_bank_size, max_candidates and prune_max_idle_rounds must be >= 0")
-    llm = params.skills.llm_miner
-    if llm and llm != "policy" and not llm.startswith(("http://", "https://")):
-        raise ParamsError(f"params.yaml: skills.llm_miner must be '', 'policy' or an http(s) base URL, got {llm!r}")
-    if params.train.internalize_coef < 0 or params.train.internalize_w_max <= 0:
-        raise ParamsError("params.yaml: train.internalize_coef must be >= 0 and train.internalize_w_max > 0")
-    if not 0.0 <= params.warmstart.skill_demos <= 1.0:
-        raise ParamsError(f"params.yaml: warmstart.skill_demos must be in [0, 1], got {params.warmstart.skill_demos}")
-    if params.rollout.max_generation_batches < 1:
-        raise ParamsError("params.yaml: rollout.max_generation_batches must be >= 1 (1 = no re-sampling)")
+    """Cross-section consistency: combinations that cannot run, each with how to fix it."""
+    train, rollout = params.train, params.rollout
+    if train.aux.names and train.layout != "concatenated":
+        raise ParamsError(f"params.yaml: train.aux.names {list(train.aux.names)} needs train.layout: concatenated "
+                          "(the auxiliary losses read observation tokens inside whole-trajectory sequences)")
+    if train.advantage.process_weight > 0 and params.harness.context != "fold":
+        raise ParamsError("params.yaml: train.advantage.process_weight > 0 needs harness.context: fold (the process "
+                          "rewards come from subgoal folding); set it to 0 or use the fold context")
+    if params.validate.max_response_tokens < rollout.sampling.max_new_tokens:
+        raise ParamsError(f"params.yaml: validate.max_response_tokens ({params.validate.max_response_tokens}) is below "
+                          f"rollout.sampling.max_new_tokens ({rollout.sampling.max_new_tokens}): every response that "
+                          "uses its budget would fail the data gate; raise it")
+    tiny = params.bootstrap.tiny
+    longest = params.validate.max_prompt_tokens + params.validate.max_response_tokens
+    if not params.bootstrap.model and tiny.max_position_embeddings < longest:
+        raise ParamsError(f"params.yaml: bootstrap.tiny.max_position_embeddings ({tiny.max_position_embeddings}) is "
+                          f"below validate.max_prompt_tokens + max_response_tokens ({longest}): the model could not "
+                          "read the longest step the gate lets through")
     check_env_params(params)
     train_total = sum(params.env.mix.values()) if params.env.mix else params.bootstrap.train_scenarios
-    if params.rollout.scenarios_per_round > train_total:
-        raise ParamsError("params.yaml: rollout.scenarios_per_round exceeds the train scenarios (bootstrap."
-                          "train_scenarios, or the sum of env.mix); lower it or raise those")
+    if rollout.scenarios_per_round > train_total:
+        raise ParamsError(f"params.yaml: rollout.scenarios_per_round ({rollout.scenarios_per_round}) exceeds the "
+                          f"{train_total} train scenarios (bootstrap.train_scenarios, or the sum of env.mix); lower it "
+                          "or raise those")
+    if params.warmstart.enabled and params.warmstart.demo_scenarios > train_total:
+        raise ParamsError(f"params.yaml: warmstart.demo_scenarios ({params.warmstart.demo_scenarios}) exceeds the "
+                          f"{train_total} train scenarios; lower it or raise bootstrap.train_scenarios")
 
 
 def check_env_params(params: Params) -> None:
@@ -416,29 +201,65 @@ def check_env_params(params: Params) -> None:
             ENVS[name](**kwargs)
         except (TypeError, ValueError) as err:
             raise ParamsError(f"params.yaml: env.kwargs.{name} is not accepted by the env: {err}") from err
-    if params.mine.method not in MINE_METHODS:
-        raise ParamsError(f"params.yaml: mine.method must be one of {list(MINE_METHODS)}, got {params.mine.method!r}")
-    if params.rollout.context not in CONTEXT_MANAGERS:
-        raise ParamsError(f"params.yaml: rollout.context must be one of {sorted(CONTEXT_MANAGERS)}, got "
-                          f"{params.rollout.context!r}")
-    if params.rollout.tool_format not in TOOL_FORMATS:
-        raise ParamsError(f"params.yaml: rollout.tool_format must be one of {list(TOOL_FORMATS)}, got "
-                          f"{params.rollout.tool_format!r}")
+
+
+# ------------------------------------------------------------------------------------------------------ YAML
+
+class _StrictLoader(yaml.SafeLoader):
+    """SafeLoader that refuses duplicate keys and reads YAML 1.2 floats such as ``1e-3`` (YAML 1.1 needs a dot)."""
+
+
+def _no_duplicates(loader: _StrictLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
+    seen: dict[Any, int] = {}
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=deep)
+        line = key_node.start_mark.line + 1
+        if key in seen:
+            raise ParamsError(f"params.yaml line {line}: duplicate key {key!r} (first at line {seen[key]}); keep one")
+        seen[key] = line
+    return loader.construct_mapping(node, deep=deep)
+
+
+_StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _no_duplicates)
+_StrictLoader.add_implicit_resolver("tag:yaml.org,2002:float", re.compile(r"^[-+]?(?:\d+\.?\d*|\.\d+)[eE][-+]?\d+$"),
+                                    list("-+0123456789."))
+
+
+def read_yaml(text: str, source: str = "params.yaml") -> Any:
+    """Parse params YAML strictly (duplicate keys refused); ParamsError on bad syntax."""
+    try:
+        return yaml.load(text, Loader=_StrictLoader)  # noqa: S506 - a SafeLoader subclass
+    except yaml.YAMLError as err:
+        raise ParamsError(f"{source} is not valid YAML: {' '.join(str(err).split())}") from err
 
 
 def load_params(path: str | Path = "params.yaml") -> Params:
-    """Read and validate params.yaml (missing file or bad YAML -> ParamsError saying so)."""
+    """Read and validate params.yaml (missing, empty or bad YAML -> ParamsError saying so)."""
     path = Path(path)
     if not path.exists():
-        raise ParamsError(f"{path} not found: run from the repository root or pass --params PATH")
-    try:
-        raw = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as err:
-        raise ParamsError(f"{path} is not valid YAML: {err}") from err
+        raise ParamsError(f"{path} not found: run from the repository root or pass --root PATH")
+    raw = read_yaml(path.read_text(), str(path))
+    if raw is None:
+        raise ParamsError(f"{path} is empty: it must hold the pipeline's sections {list(SECTIONS)} (restore it with "
+                          "`git checkout params.yaml`; `arlflow check-params --defaults` prints the defaults)")
     return parse_params(raw)
 
 
-def params_to_dict(params: Params) -> dict[str, dict[str, Any]]:
-    """Plain YAML-ready values (tuples become lists)."""
-    return {section: {key: list(value) if isinstance(value, tuple) else value for key, value in values.items()}
-            for section, values in dataclasses.asdict(params).items()}
+def _plain(value: Any) -> Any:
+    if dataclasses.is_dataclass(value):
+        return {f.name: _plain(getattr(value, f.name)) for f in _settable(type(value))}
+    if isinstance(value, tuple):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    return value
+
+
+def params_to_dict(params: Params) -> dict[str, Any]:
+    """Plain YAML-ready values of every settable key (tuples become lists, nested configs mappings)."""
+    return _plain(params)
+
+
+def params_to_yaml(params: Params) -> str:
+    """The resolved config as params.yaml would spell it."""
+    return yaml.safe_dump(params_to_dict(params), sort_keys=False, width=120)

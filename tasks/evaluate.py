@@ -8,6 +8,7 @@ from skills.lifecycle import CHANGE_VERBS, load_round_bank
 from tasks.common import evaluate_policy, load_engine, read_json, read_scenarios, seed_everything, write_json
 from tasks.config import Params
 from tasks.layout import Layout
+from tasks.outputs import staged_outputs
 from tasks.tracking import log_metrics, set_champion
 
 SUMMARY_KEYS = ("success_rate", "mean_return", "mean_steps", "mean_response_tokens", "episodes")
@@ -63,8 +64,8 @@ def run(params: Params, layout: Layout) -> dict[str, Any]:
     heldout_metrics = {key: _subset(results[key]) for key in ("base", "warmstart", "final", "final_with_skills")}
     per_round = {f"round_{r}": _subset(results[f"round_{r}"]) for r in range(1, rounds + 1)}
     skills_report = skill_report(results["final"], results["final_with_skills"], final_bank, layout, rounds)
-    write_json(layout.evaluate_metrics, {"heldout": heldout_metrics, "rounds": per_round, "skills": skills_report,
-                                         "heldout_scenarios": len(heldout), "seed": params.pipeline.seed})
+    report = {"heldout": heldout_metrics, "rounds": per_round, "skills": skills_report,
+              "heldout_scenarios": len(heldout), "seed": params.pipeline.seed}
 
     rows = []
     for r in range(0, rounds + 1):
@@ -76,11 +77,12 @@ def run(params: Params, layout: Layout) -> dict[str, Any]:
                      "train_mean_return": rollout.get("mean_return", "")})
         log_metrics({"heldout_success_rate": results[label]["success_rate"],
                      "heldout_mean_return": results[label]["mean_return"]}, step=r)
-    layout.rounds_plot.parent.mkdir(parents=True, exist_ok=True)
-    with layout.rounds_plot.open("w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+    with staged_outputs(layout.root, "evaluate", [layout.evaluate_metrics, layout.rounds_plot]) as out:
+        write_json(out.path(layout.evaluate_metrics), report)
+        with out.path(layout.rounds_plot).open("w", newline="") as handle:
+            writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
+            writer.writeheader()
+            writer.writerows(rows)
 
     for key, summary in heldout_metrics.items():
         log_metrics(summary, prefix=f"{key}.")

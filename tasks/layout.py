@@ -46,6 +46,10 @@ class Layout:
         """Per step of a round's rollout: which half of a paired skill test it was in, and SIRI's plain prompts."""
         return self.round_dir(round_index) / "skill_trials.parquet"
 
+    def curation(self, round_index: int) -> Path:
+        """The pool's labels and exclusions of round r's trajectories (the curate stage's snapshot)."""
+        return self.root / "data" / "curation" / f"round_{round_index}.parquet"
+
     def skills(self, round_index: int) -> Path:
         return self.root / "artifacts" / "skills" / f"round_{round_index}"
 

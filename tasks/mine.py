@@ -24,14 +24,15 @@ from datapool.parquet import read_steps
 from models.skill_advantages import update_skill_utility
 from skills.bank import Skill
 from skills.lifecycle import BankChange, RoundBank, load_round_bank, prune_skills, save_round_bank
-from skills.llm_miner import ChatEndpointWriter, EngineWriter, TrajectoryText, mine_llm_skills, revise_skill
-from skills.mdl import mine_mdl_skills
-from skills.mining import mine_frequent_subsequences
+from skills.llm_miner import TrajectoryText, mine_llm_skills, revise_skill
+from skills.llm_writers import ChatEndpointWriter, EngineWriter
+from skills.miners import mine_skills
 from skills.validation import decide, with_evidence
-from skills.versions import SKIP, VersionConfig, add_version, retire, to_dict, update
+from skills.versions import SKIP, add_version, retire, to_dict, update
 from tasks.common import load_engine, write_json
 from tasks.config import Params
 from tasks.layout import Layout, require
+from tasks.outputs import staged_outputs
 from tasks.skill_trials import (candidate_results, episode_table, paired_utilities, read_trials, version_label,
                                 version_outcomes, version_state, with_stats)
 
@@ -62,27 +63,18 @@ def trajectory_texts(frame: pd.DataFrame, ids: list[str] | None = None) -> list[
 
 def skill_writer(params: Params, layout: Layout, round_index: int):
     """The configured LLM miner: None (off), the round's policy, or an OpenAI-compatible endpoint."""
-    cfg = params.skills
-    if not cfg.llm_miner:
+    cfg = params.skills.llm
+    if not cfg.miner:
         return None
-    if cfg.llm_miner == "policy":
+    if cfg.miner == "policy":
         engine = load_engine(layout.round_policy(round_index), f"round_{round_index}",
                              "warmstart" if round_index == 1 else f"train_{round_index - 1}")
         return EngineWriter(engine, engine.tokenizer, seed=params.pipeline.seed)
-    return ChatEndpointWriter(cfg.llm_miner, cfg.llm_model, api_key_env=cfg.llm_api_key_env)
+    return ChatEndpointWriter(cfg.miner, cfg.model, api_key_env=cfg.api_key_env)
 
 
 def mine_candidates(frame: pd.DataFrame, params: Params, round_index: int) -> list[Skill]:
-    return mine_sequences(successful_action_sequences(frame), params)
-
-
-def mine_sequences(sequences: list[tuple[str, list[str]]], params: Params) -> list[Skill]:
-    """The configured miner (mine.method) over (trajectory id, actions) of successful trajectories."""
-    cfg = params.mine
-    if cfg.method == "mdl":
-        return mine_mdl_skills(sequences, max_length=cfg.max_length, min_count=cfg.min_count, max_skills=cfg.top_k)
-    return mine_frequent_subsequences(sequences, min_length=cfg.min_length, max_length=cfg.max_length,
-                                      min_support=cfg.min_support, top_k=cfg.top_k)
+    return mine_skills(successful_action_sequences(frame), params.mine)
 
 
 def lifecycle_round(previous: RoundBank, episodes: pd.DataFrame, frame: pd.DataFrame, params: Params,
@@ -96,7 +88,7 @@ def lifecycle_round(previous: RoundBank, episodes: pd.DataFrame, frame: pd.DataF
 
     # 1. validation of the candidates this rollout tested
     names = {c.name for c in previous.candidates}
-    results = {name: r for name, r in candidate_results(episodes, tau=life.tau, t_min=life.t_min).items()
+    results = {name: r for name, r in candidate_results(episodes, tau=life.validation.tau, t_min=life.validation.t_min).items()
                if name in names}
     decision = decide(previous.candidates, results)
     for skill in decision.promoted:
@@ -127,7 +119,7 @@ def lifecycle_round(previous: RoundBank, episodes: pd.DataFrame, frame: pd.DataF
     metrics["paired_utility"] = {name: round(gap, 6) for name, (gap, _) in credit.items()}
 
     # 3. versions: discounted Thompson evidence, retirement
-    vcfg = VersionConfig(gamma=life.versions_gamma, min_uses=life.versions_min_uses)
+    vcfg = life.versions
     outcomes = version_outcomes(episodes)
     for index, skill in enumerate(live):
         if skill.name not in outcomes:
@@ -169,8 +161,8 @@ def lifecycle_round(previous: RoundBank, episodes: pd.DataFrame, frame: pd.DataF
             changes.append(BankChange("revised", revised, {"from_failures": len(texts)}))
 
     # 5. pruning
-    live, pruned = prune_skills(live, current_round=round_index, min_utility=life.prune_min_utility,
-                                max_idle_rounds=life.prune_max_idle_rounds, max_size=life.max_bank_size)
+    live, pruned = prune_skills(live, current_round=round_index, min_utility=life.prune.min_utility,
+                                max_idle_rounds=life.prune.max_idle_rounds, max_size=life.prune.max_bank_size)
     changes.extend(pruned)
     for change in pruned:
         versions.pop(change.skill.name, None)
@@ -212,7 +204,9 @@ def _brief(record: dict[str, Any]) -> dict[str, Any]:
 
 def run(params: Params, layout: Layout, round_index: int) -> dict[str, Any]:
     frame, _ = read_steps(require(layout.steps(round_index), f"rollout_{round_index}"))
-    previous = load_round_bank(layout.skills(round_index - 1))  # round 0: the warm start's bank, if it mined one
+    # round 0's bank is the warm start's (always written, empty when it mined none): a missing one is an error
+    previous = load_round_bank(require(layout.skills(round_index - 1),
+                                       "warmstart" if round_index == 1 else f"mine_{round_index - 1}"))
     episodes = episode_table(read_trials(layout.skill_trials(round_index)))
     writer = skill_writer(params, layout, round_index)
     bank, changes, metrics = lifecycle_round(previous, episodes, frame, params, round_index, writer)
@@ -220,9 +214,11 @@ def run(params: Params, layout: Layout, round_index: int) -> dict[str, Any]:
               f"skill(s), {metrics['candidates']} candidate(s); "
               + ", ".join(f"{verb} {metrics[verb]}" for verb in ("added", "promoted", "rejected", "revised",
                                                                   "retired", "pruned")))
-    save_round_bank(layout.skills(round_index), bank, changes, header=header)
     successful = int(frame.loc[frame["won"].astype(bool), "trajectory_id"].nunique())
     metrics.update({"round": round_index, "successful_trajectories": successful,
                     "changes": [c.line() for c in changes]})
-    write_json(layout.round_metrics(round_index, "mine"), metrics)
+    outputs = [layout.skills(round_index), layout.round_metrics(round_index, "mine")]
+    with staged_outputs(layout.root, f"mine_{round_index}", outputs) as out:
+        save_round_bank(out.path(outputs[0]), bank, changes, header=header)
+        write_json(out.path(outputs[1]), metrics)
     return metrics

@@ -12,12 +12,13 @@ from agents.rollout import run_episodes, summarize
 from datapool.parquet import export_steps
 from datapool.records import TrajectoryRecord
 from datapool.store import DataPool
-from models.engine import SamplingParams
 from skills.lifecycle import RoundBank, load_round_bank
-from tasks.common import episode_options, load_engine, read_scenarios, seed_everything, skill_program, write_json
+from tasks.common import (episode_options, load_engine, read_scenarios, seed_everything, skill_program, skills_per_step,
+                          write_json)
 from tasks.skill_trials import trial_frame, write_trials
 from tasks.config import Params, params_to_dict
-from tasks.layout import Layout
+from tasks.layout import Layout, require
+from tasks.outputs import staged_outputs
 
 
 def policy_version(round_index: int) -> str:
@@ -43,7 +44,7 @@ def attempt_id(params: Params, layout: Layout, round_index: int) -> str:
         for path in sorted(p for p in folder.rglob("*") if p.is_file()) if folder.exists() else []:
             digest.update(path.name.encode())
             digest.update(path.read_bytes())
-    digest.update(json.dumps([params_to_dict(params)[s] for s in ("pipeline", "env", "rollout", "evaluate")],
+    digest.update(json.dumps([params_to_dict(params)[s] for s in ("pipeline", "env", "harness", "rollout", "skills")],
                              sort_keys=True).encode())
     digest.update(str(round_index).encode())
     return digest.hexdigest()[:10]
@@ -57,7 +58,29 @@ def count_informative_groups(trajectories: list[TrajectoryRecord]) -> int:
     return sum(len(values) > 1 for values in returns.values())
 
 
+class PoolError(RuntimeError):
+    """The data pool cannot be opened, is corrupt, or is not writable: nothing was generated."""
+
+
+def open_checked_pool(url: str) -> DataPool:
+    """The pool at ``url``, opened (schema checked or migrated) and, for SQLite, integrity-checked: a truncated or
+    corrupt file is found before any episode is generated, not after."""
+    try:
+        pool = DataPool(url)
+    except Exception as err:  # noqa: BLE001 - any backend error means the same thing to the user
+        raise PoolError(f"data pool {url} cannot be opened ({type(err).__name__}: {err}); restore it from a backup "
+                        "or point rollout.pool_url at a fresh one, then rerun the stage") from err
+    problem = pool.integrity_problem()
+    if problem:
+        pool.close()
+        raise PoolError(f"data pool {url} is corrupt ({problem}); restore it from a backup or point "
+                        "rollout.pool_url at a fresh one, then rerun the stage")
+    return pool
+
+
 def run(params: Params, layout: Layout, round_index: int) -> dict[str, Any]:
+    """G rollouts per scenario of this round. Inputs (policy, scenarios, the previous bank, the pool) are checked
+    before any episode runs; steps.parquet, skill_trials.parquet and rollout.json replace the old ones together."""
     cfg = params.rollout
     seed = params.pipeline.seed * 1000 + round_index
     seed_everything(seed)
@@ -66,10 +89,13 @@ def run(params: Params, layout: Layout, round_index: int) -> dict[str, Any]:
                          "warmstart" if round_index == 1 else f"train_{round_index - 1}")
     train = read_scenarios(layout, "train")
     order = random.Random(seed).sample(train, len(train))  # this round's scenario order; batches take the next ones
-    bank = load_round_bank(layout.skills(round_index - 1)) if cfg.use_skills else RoundBank()
+    # round 0's bank is the warm start's (always written): a missing bank is an error, not a run without skills
+    bank = (load_round_bank(require(layout.skills(round_index - 1),
+                                    "warmstart" if round_index == 1 else f"mine_{round_index - 1}"))
+            if cfg.use_skills else RoundBank())
+    open_checked_pool(cfg.pool_url or layout.pool_url).close()
     program = skill_program(bank, params)
-    sampling = SamplingParams(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
-                              seed=seed)
+    sampling = replace(cfg.sampling, seed=seed)
 
     started = time.perf_counter()
     trajectories: list[TrajectoryRecord] = []
@@ -87,25 +113,24 @@ def run(params: Params, layout: Layout, round_index: int) -> dict[str, Any]:
         new = run_episodes(engine, engine.tokenizer, batch, group_size=cfg.group_size,
                            sampling=replace(sampling, seed=seed + 7919 * (batches - 1)),
                            round_index=round_index, **episode_options(params, layout),
-                           process_alpha=cfg.process_alpha,
+                           process_alpha=params.harness.process_alpha,
                            skills_for=program.skills_for if program.active else None,
-                           skills_per_step=params.evaluate.skills_per_step,
-                           step_timeout_s=cfg.step_timeout_s, seed=seed + 7919 * (batches - 1))
+                           skills_per_step=skills_per_step(params),
+                           step_timeout_s=params.harness.step_timeout_s, seed=seed + 7919 * (batches - 1))
         informative += count_informative_groups(new)
         trajectories += new
     elapsed = time.perf_counter() - started
     attempt = attempt_id(params, layout, round_index)
     trajectories = tag_attempt(trajectories, attempt)
-    trials = trial_frame(trajectories, program)   # also takes the harness's per-step skill traces out of metadata
-    write_trials(trials, layout.skill_trials(round_index))
+    if not trajectories:
+        raise RuntimeError(f"rollout_{round_index} produced no trajectory (train scenarios: {len(order)}); earlier "
+                           "outputs were left as they are")
+    trials = trial_frame(trajectories, program)
 
-    with DataPool(cfg.pool_url or layout.pool_url) as pool:
+    with open_checked_pool(cfg.pool_url or layout.pool_url) as pool:
         pool.add_trajectories(trajectories)
         frame = pool.steps_frame(round=round_index)
     frame = frame[frame["trajectory_id"].str.startswith(f"{attempt}/")]
-    out = layout.steps(round_index)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    export_steps(frame, out, metadata={"round": round_index, "policy_version": version, "attempt": attempt})
 
     metrics = summarize(trajectories)
     tokens = sum(t.response_tokens for t in trajectories)
@@ -115,5 +140,10 @@ def run(params: Params, layout: Layout, round_index: int) -> dict[str, Any]:
                     "skills_live": len(bank.live), "skills_candidates": len(bank.candidates),
                     "skill_tests": {test or "none": int(n) for test, n in
                                     trials.drop_duplicates("group_id")["test"].value_counts().items()}})
-    write_json(layout.round_metrics(round_index, "rollout"), metrics)
+    outputs = [layout.steps(round_index), layout.skill_trials(round_index), layout.round_metrics(round_index, "rollout")]
+    with staged_outputs(layout.root, f"rollout_{round_index}", outputs) as out:
+        export_steps(frame, out.path(outputs[0]), metadata={"round": round_index, "policy_version": version,
+                                                             "attempt": attempt})
+        write_trials(trials, out.path(outputs[1]))
+        write_json(out.path(outputs[2]), metrics)
     return metrics

@@ -14,10 +14,11 @@ Every half still trains the policy: no extra rollouts. Skills with several activ
 by Thompson sampling within the group (skills.versions); a "skip" label leaves the skill out of that prompt.
 
 ``SkillProgram`` answers the rollout loop's skill slot (agents.rollout.SkillSlot: text, ids, callable macros), and
-``trial_frame`` writes down, per step, the test, the arm, the skills and versions shown, and SIRI's plain prompts
-(``layout.skill_trials``). ``episode_table``, ``candidate_results``, ``paired_utilities``, ``group_gaps`` and
-``version_outcomes`` read that table back: the mine stage (promote/reject/prune/version) and the train stage
-(skill_used, internalization) compute the same numbers from the same function.
+``trial_frame`` writes down, per step, the test, the arm, the skills and versions shown (``layout.skill_trials``;
+SIRI's plain prompts are the steps' own ``plain_prompt_ids``/``macro_*_ids`` fields).
+``episode_table``, ``candidate_results``, ``paired_utilities``, ``group_gaps`` and ``version_outcomes`` read
+that table back: the mine stage (promote/reject/prune/version) and the train stage (skill_used, internalization)
+compute the same numbers from the same function.
 """
 from __future__ import annotations
 
@@ -168,36 +169,28 @@ TRIAL_SCHEMA = pa.schema([
     pa.field("scenario_id", pa.string()), pa.field("episode", pa.int64()), pa.field("test", pa.string()),
     pa.field("arm", pa.string()), pa.field("candidate", pa.string()), pa.field("skill_ids", pa.list_(pa.string())),
     pa.field("versions", pa.string()), pa.field("episode_return", pa.float64()), pa.field("won", pa.bool_()),
-    pa.field("plain_prompt_ids", pa.list_(pa.int64())),
-    pa.field("macro_prompt_ids", pa.list_(pa.list_(pa.int64()))),
-    pa.field("macro_action_ids", pa.list_(pa.list_(pa.int64()))),
 ])
 
 
 def trial_frame(trajectories: Sequence[TrajectoryRecord], program: SkillProgram | None) -> pd.DataFrame:
-    """One row per step: the group's test, the episode's arm, the skills (and versions) its prompts showed, and the
-    plain prompts SIRI distills onto. Pops the harness's ``skill_trace`` from the trajectories' metadata (it is
-    big and belongs here, not in the pool)."""
+    """One row per step: the group's test, the episode's arm, the candidate, the skills (and versions) its prompts
+    showed. What SIRI distills onto (the prompt without the skill, a macro's sub-steps) is in the steps themselves
+    (StepRecord.plain_prompt_ids / macro_prompt_ids / macro_action_ids)."""
     rows = []
     for traj in trajectories:
-        trace = traj.metadata.pop("skill_trace", None) or [{}] * len(traj.steps)
         scenario_id = str(traj.metadata.get("scenario_id", ""))
         episode = int(traj.metadata.get("episode_index", 0))
         plan = program.plans.get(scenario_id) if program is not None else None
         arm = plan.arms[episode] if plan is not None else ""
         versions = json.dumps(program.version_shown(scenario_id, episode) if program is not None else {},
                               sort_keys=True)
-        for step, entry in zip(traj.steps, trace):
-            macro = entry.get("macro") or []
+        for step in traj.steps:
             rows.append({
                 "trajectory_id": traj.trajectory_id, "group_id": traj.group_id, "step_index": step.step_index,
                 "scenario_id": scenario_id, "episode": episode, "test": plan.test if plan is not None else "",
                 "arm": arm, "candidate": plan.candidate.name if plan is not None and plan.candidate else "",
                 "skill_ids": list(step.skill_ids), "versions": versions,
                 "episode_return": float(traj.episode_return), "won": bool(traj.won),
-                "plain_prompt_ids": list(entry.get("plain_prompt_ids") or []),
-                "macro_prompt_ids": [list(m["prompt_ids"]) for m in macro],
-                "macro_action_ids": [list(m["action_ids"]) for m in macro],
             })
     return pd.DataFrame(rows, columns=TRIAL_SCHEMA.names)
 

@@ -2,39 +2,32 @@
 from __future__ import annotations
 
 import shutil
+from dataclasses import replace
 from typing import Any
 
 import pandas as pd
 import torch
 
-from datapool.filters import FILTERS, FilterConfig, apply_filters
+from datapool.filters import apply_filters
 from datapool.parquet import read_steps
-from models.advantages import ADVANTAGES, AdvantageConfig, StepBatch, add_process_advantages
-from models.internalize import GuidedStep, InternalizeConfig, internalization_pairs
-from models.skill_advantages import SKILL_ADVANTAGES, SkillStepBatch
-from models.aux_losses import AUX_LOSSES, AuxConfig
+from models.advantages import ADVANTAGES, StepBatch, add_process_advantages
+from models.batching import TrainRow
 from models.build import load_policy, save_policy
-from models.layouts import concatenated
 from models.checkpoint import rank_and_world
-from models.losses import LOSSES
-from models.reference import ReferencePolicy, apply_lora
 from models.ds_engine import full_weights, make_ds_engine
-from models.trainer import TrainRow, rl_update, sft_update
+from models.internalize import GuidedStep, internalization_pairs
+from models.layouts import concatenated
+from models.reference import ReferencePolicy
+from models.sft import sft_update
+from models.skill_advantages import SKILL_ADVANTAGES, SkillStepBatch
+from models.trainer import rl_update
 from tasks.common import seed_everything, write_json
-from tasks.config import Params, TrainConfig
+from tasks.config import Params
+from tasks.sections import TrainConfig
 from tasks.layout import Layout, require
+from tasks.outputs import staged_outputs
 from tasks.skill_trials import candidate_results, episode_table, paired_utilities, read_trials, skill_used
 from tasks.tracking import log_metrics, register_policy
-
-
-def check_names(cfg: TrainConfig) -> None:
-    """Unknown registry names fail before any work, listing the valid ones."""
-    ADVANTAGES[cfg.advantage]
-    LOSSES[cfg.loss]
-    for name in cfg.filters:
-        FILTERS[name]
-    for name in cfg.aux:
-        AUX_LOSSES[name]
 
 
 def step_batch(frame: pd.DataFrame) -> StepBatch:
@@ -66,15 +59,15 @@ def training_rows(frame: pd.DataFrame, cfg: TrainConfig, tokenizer, trials: pd.D
     flag from the rollout's skill trials (the skill-guided half of a tested group). Also returns the estimator's
     result (internalization weighs its tokens by the step advantages)."""
     batch = step_batch(frame)
-    if cfg.advantage in SKILL_ADVANTAGES:
+    advantage = cfg.advantage
+    if advantage.name in SKILL_ADVANTAGES:
         flags = skill_used(frame, trials if trials is not None else pd.DataFrame())
         batch = SkillStepBatch(batch, torch.tensor(flags, dtype=torch.bool))
-    result = ADVANTAGES[cfg.advantage](batch, AdvantageConfig(gamma=cfg.gamma, omega=cfg.omega,
-                                                              anchor_mode=cfg.anchor_mode))
-    if cfg.process_weight > 0:
+    result = ADVANTAGES[advantage.name](batch, advantage)
+    if advantage.process_weight > 0:
         process = torch.tensor(frame["process_reward"].to_numpy(dtype=float), dtype=torch.float64)  # [R]
         result = add_process_advantages(result, batch if isinstance(batch, StepBatch) else batch.batch, process,
-                                        cfg.process_weight)
+                                        advantage.process_weight, advantage.eps)
     if cfg.layout == "step_rows":
         rows = [TrainRow(list(r.prompt_ids), list(r.response_ids), list(r.logprobs),
                          result.token_advantages[i, :len(r.response_ids)].tolist())
@@ -91,7 +84,7 @@ def training_rows(frame: pd.DataFrame, cfg: TrainConfig, tokenizer, trials: pd.D
 def guided_steps(frame: pd.DataFrame, trials: pd.DataFrame, row_advantages: torch.Tensor, *, tau: float = 0.0,
                  t_min: float = 1.0) -> list[GuidedStep]:
     """SIRI's data: the steps of skill-guided (augmented) halves of VALIDATED skills, with the prompt each would
-    have had without the skill and its advantage. u is the candidate's pooled u(c) when validation promotes it
+    have had without the skill (the step's own ``plain_prompt_ids`` / ``macro_*_ids``) and its advantage. u is the candidate's pooled u(c) when validation promotes it
     (u > tau, Welch t > t_min; a rejected candidate guides nothing), and for a paired group of live skills the mean
     paired utility of the skills the episode saw. A macro step contributes each of its sub-steps (plain prompt ->
     the primitive action), with the macro step's advantage."""
@@ -105,7 +98,7 @@ def guided_steps(frame: pd.DataFrame, trials: pd.DataFrame, row_advantages: torc
     steps = []
     for position, row in enumerate(frame.itertuples(index=False)):
         trial = by_step.get((row.trajectory_id, int(row.step_index)))
-        if trial is None or trial.arm != "aug" or len(trial.plain_prompt_ids) == 0:
+        if trial is None or trial.arm != "aug" or len(row.plain_prompt_ids) == 0:
             continue
         if trial.test == "candidate":
             u = validated.get(trial.candidate)
@@ -113,11 +106,11 @@ def guided_steps(frame: pd.DataFrame, trials: pd.DataFrame, row_advantages: torc
             known = [paired[name] for name in trial.skill_ids if name in paired]
             u = sum(known) / len(known) if known else None
         advantage = float(row_advantages[position])
-        if len(trial.macro_prompt_ids):
+        if len(row.macro_prompt_ids):
             steps += [GuidedStep(list(p), list(a), advantage, u)
-                      for p, a in zip(trial.macro_prompt_ids, trial.macro_action_ids)]
+                      for p, a in zip(row.macro_prompt_ids, row.macro_action_ids)]
         elif len(row.response_ids):
-            steps.append(GuidedStep(list(trial.plain_prompt_ids), list(row.response_ids), advantage, u))
+            steps.append(GuidedStep(list(row.plain_prompt_ids), list(row.response_ids), advantage, u))
     return steps
 
 
@@ -126,13 +119,13 @@ def internalize(engine, frame: pd.DataFrame, trials: pd.DataFrame, row_advantage
     """SIRI: L_int = -mean w_t log pi(a_t | prompt without the skill) over the selected skill-guided tokens
     (models/internalize.py), one pass with the same optimizer after the policy-gradient passes."""
     cfg = params.train
-    steps = guided_steps(frame, trials, row_advantages, tau=params.skills.tau, t_min=params.skills.t_min)
-    pairs, weights, metrics = internalization_pairs(steps, InternalizeConfig(coef=cfg.internalize_coef,
-                                                                      w_max=cfg.internalize_w_max))
+    gate = params.skills.validation
+    steps = guided_steps(frame, trials, row_advantages, tau=gate.tau, t_min=gate.t_min)
+    pairs, weights, metrics = internalization_pairs(steps, cfg.internalize)
     out = {f"internalize.{k}": float(v) for k, v in metrics.items()}
     if pairs:
         result = sft_update(engine, pairs, weights=weights, pad_id=tokenizer.pad_token_id,
-                            micro_batch_size=cfg.micro_batch_size, epochs=1, seed=seed, progress=False)
+                            update=replace(cfg.update, epochs=1), seed=seed, progress=False)
         out.update({f"internalize.{k}": float(v) for k, v in result.items()})
     return out
 
@@ -142,51 +135,48 @@ def log_update(step: int, metrics: dict[str, float]) -> None:
 
 
 def run(params: Params, layout: Layout, round_index: int) -> dict[str, Any]:
+    """Filters, advantages, the DeepSpeed update; the new policy and train.json replace the old ones together, only
+    once everything succeeded (a failed or killed run leaves them as they were; a killed update resumes from its
+    checkpoints)."""
     cfg = params.train
-    check_names(cfg)
     seed = params.pipeline.seed * 1000 + round_index
     seed_everything(seed)
     frame, _ = read_steps(require(layout.validated(round_index), f"validate_{round_index}"))
+    trials = read_trials(layout.skill_trials(round_index))
     source = require(layout.round_policy(round_index), "warmstart" if round_index == 1 else f"train_{round_index - 1}")
     model, tokenizer = load_policy(source)
-    target = layout.policy(f"round_{round_index}")
-    frame, metrics = apply_filters(frame, list(cfg.filters), FilterConfig(
-        overlong_max_tokens=cfg.overlong_max_tokens, overlong_buffer_tokens=cfg.overlong_buffer_tokens))
-    metrics = {"round": round_index, "rows": len(frame), **metrics}
-    if target.exists():
-        shutil.rmtree(target)
-    if len(frame) == 0:
-        metrics["skipped_no_signal"] = 1
-        save_policy(model, tokenizer, target)
-    else:
-        trials = read_trials(layout.skill_trials(round_index))
-        rows, advantage_metrics, advantage_result = training_rows(frame, cfg, tokenizer, trials)
-        metrics.update(advantage_metrics)
-        reference = ReferencePolicy(model) if cfg.kl_beta > 0 and cfg.lora_r == 0 else None
-        if cfg.lora_r > 0:
-            model = apply_lora(model, r=cfg.lora_r, alpha=2 * cfg.lora_r)
-            reference = ReferencePolicy(model) if cfg.kl_beta > 0 else None
-        engine = make_ds_engine(model, lr=cfg.lr, zero_stage=cfg.zero_stage, micro_batch_size=cfg.micro_batch_size)
-        checkpoints = layout.train_checkpoints(round_index)
-        metrics.update(rl_update(
-            engine, rows, pad_id=tokenizer.pad_token_id, micro_batch_size=cfg.micro_batch_size, epochs=cfg.epochs,
-            clip_low=cfg.clip_low, clip_high=cfg.clip_high, dual_clip=cfg.dual_clip or None, loss=cfg.loss,
-            aggregation=cfg.aggregation, seed=seed, mini_batch_size=cfg.mini_batch_size or None,
-            token_budget=cfg.token_budget or None, reference=reference, kl_beta=cfg.kl_beta, kl_kind=cfg.kl_kind,
-            entropy_coef=cfg.entropy_coef, on_update=log_update if rank_and_world()[0] == 0 else None,
-            checkpoint_dir=checkpoints, checkpoint_every=cfg.checkpoint_every, aux=cfg.aux,
-            aux_config=AuxConfig(echo_weight=cfg.echo_weight, seal_weight=cfg.seal_weight)))
-        if cfg.internalize_coef > 0:
-            metrics.update(internalize(engine, frame, trials, advantage_result.row_advantages, params, tokenizer,
-                                       seed))
-        with full_weights(engine) as trained:  # gathers ZeRO-3 partitions, merges LoRA adapters
-            save_policy(trained, tokenizer, target)
-        shutil.rmtree(checkpoints, ignore_errors=True)
-    model, tokenizer = load_policy(target)
-    log_metrics(metrics)
-    version = register_policy(model, tokenizer, params.pipeline.registered_model,
-                              tags={"round": str(round_index), "policy_path": str(target)})
-    if version is not None:
-        metrics["registered_version"] = int(version)
-    write_json(layout.round_metrics(round_index, "train"), metrics)
+    target, metrics_path = layout.policy(f"round_{round_index}"), layout.round_metrics(round_index, "train")
+    checkpoints = layout.train_checkpoints(round_index)
+    with staged_outputs(layout.root, f"train_{round_index}", [target, metrics_path]) as out:
+        frame, metrics = apply_filters(frame, cfg.filters)
+        metrics = {"round": round_index, "rows": len(frame), **metrics}
+        if len(frame) == 0:
+            metrics["skipped_no_signal"] = 1
+            save_policy(model, tokenizer, out.path(target))
+        else:
+            rows, advantage_metrics, advantage_result = training_rows(frame, cfg, tokenizer, trials)
+            metrics.update(advantage_metrics)
+            wants_reference = cfg.loss.kl_beta > 0
+            reference = ReferencePolicy(model) if wants_reference and cfg.lora.r == 0 else None
+            if cfg.lora.r > 0:
+                model = cfg.lora.apply(model)
+                reference = ReferencePolicy(model) if wants_reference else None
+            engine = make_ds_engine(model, cfg.optimizer, micro_batch_size=cfg.update.micro_batch_size)
+            metrics.update(rl_update(
+                engine, rows, pad_id=tokenizer.pad_token_id, loss=cfg.loss, update=cfg.update, seed=seed,
+                aux=cfg.aux, reference=reference, on_update=log_update if rank_and_world()[0] == 0 else None,
+                checkpoint_dir=checkpoints))
+            if cfg.internalize.coef > 0:
+                metrics.update(internalize(engine, frame, trials, advantage_result.row_advantages, params,
+                                           tokenizer, seed))
+            with full_weights(engine) as trained:  # gathers ZeRO-3 partitions, merges LoRA adapters
+                save_policy(trained, tokenizer, out.path(target))
+        saved, saved_tokenizer = load_policy(out.path(target))
+        log_metrics(metrics)
+        version = register_policy(saved, saved_tokenizer, params.pipeline.registered_model,
+                                  tags={"round": str(round_index), "policy_path": str(target)})
+        if version is not None:
+            metrics["registered_version"] = int(version)
+        write_json(out.path(metrics_path), metrics)
+    shutil.rmtree(checkpoints, ignore_errors=True)  # the round's policy is in place: its resume state is done
     return metrics

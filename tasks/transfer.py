@@ -1,7 +1,6 @@
 """transfer: the final skill bank with other models (the warm-start policy and a second architecture)."""
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -9,6 +8,7 @@ from models.build import build_model, load_policy
 from tasks.common import evaluate_policy, load_engine, load_skills, read_scenarios, seed_everything, write_json
 from tasks.config import Params
 from tasks.layout import Layout, require
+from tasks.outputs import staged_outputs
 from tasks.tracking import log_metrics
 from tasks.warmstart import sft_policy
 
@@ -18,11 +18,7 @@ def build_transfer_model(params: Params, layout: Layout, target: Path) -> dict[s
     `target`; returns the SFT metrics."""
     cfg = params.transfer
     _, tokenizer = load_policy(require(layout.policy("base"), "bootstrap"))
-    model = build_model(cfg.arch, tokenizer, hidden_size=cfg.hidden_size, num_layers=cfg.num_layers,
-                        num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
-                        intermediate_size=cfg.intermediate_size,
-                        max_position_embeddings=params.bootstrap.max_position_embeddings,
-                        seed=params.pipeline.seed + 1)
+    model = build_model(tokenizer, cfg.model, seed=params.pipeline.seed + 1)
     scenarios = read_scenarios(layout, "train")[: params.warmstart.demo_scenarios]
     return sft_policy(model, tokenizer, scenarios, params, target, layout)
 
@@ -31,13 +27,19 @@ def run(params: Params, layout: Layout) -> dict[str, Any]:
     seed_everything(params.pipeline.seed)
     heldout = read_scenarios(layout, "heldout")
     skills = load_skills(require(layout.skills(params.pipeline.rounds), f"mine_{params.pipeline.rounds}"))
-    target = layout.policy(f"transfer_{params.transfer.arch}")
-    if target.exists():
-        shutil.rmtree(target)
-    sft_metrics = build_transfer_model(params, layout, target)
+    target = layout.policy(f"transfer_{params.transfer.model.arch}")
+    with staged_outputs(layout.root, "transfer", [target, layout.transfer_metrics]) as out:
+        report = transfer_report(params, layout, heldout, skills, target, out.path(target))
+        write_json(out.path(layout.transfer_metrics), report)
+    return report
 
+
+def transfer_report(params: Params, layout: Layout, heldout, skills, target: Path, save_to: Path) -> dict[str, Any]:
+    """Warm-start the second model into ``save_to``; evaluate it and the warm-start policy with and without the
+    final bank."""
+    sft_metrics = build_transfer_model(params, layout, save_to)
     engines = {"warmstart": load_engine(layout.policy("warmstart"), "warmstart", "warmstart"),
-               f"{params.transfer.arch}_warmstart": load_engine(target, target.name, "transfer")}
+               f"{params.transfer.model.arch}_warmstart": load_engine(save_to, target.name, "transfer")}
     report: dict[str, Any] = {"models": {}, "skills_in_bank": len(skills)}
     for name, engine in engines.items():
         without, _ = evaluate_policy(engine, heldout, params, layout=layout, label=f"{name} without skills")
@@ -46,6 +48,5 @@ def run(params: Params, layout: Layout) -> dict[str, Any]:
         report["models"][name] = {"without_skills": without, "with_skills": with_skills}
         log_metrics(without, prefix=f"{name}.without_skills.")
         log_metrics(with_skills, prefix=f"{name}.with_skills.")
-    report["sft"] = {f"{params.transfer.arch}_warmstart": sft_metrics}
-    write_json(layout.transfer_metrics, report)
+    report["sft"] = {f"{params.transfer.model.arch}_warmstart": sft_metrics}
     return report

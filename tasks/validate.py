@@ -1,13 +1,17 @@
-"""validate: the great-expectations gate over the round's step table, then the RL data filters."""
+"""validate: the great-expectations gate over the round's step table; then the pool's curation (exclusions, labels:
+the curate stage's snapshot), failed episodes left out (validate.keep_failed), zero-variance groups dropped."""
 from __future__ import annotations
 
 from typing import Any
 
+from datapool.curation import apply_curation, drop_failed
 from datapool.parquet import export_steps, read_steps
-from datapool.quality import QualityLimits, drop_zero_variance_groups, validate_steps
+from datapool.quality import drop_zero_variance_groups, validate_steps
 from tasks.common import write_json
 from tasks.config import Params
+from tasks.curate import read_curation
 from tasks.layout import Layout, require
+from tasks.outputs import staged_outputs
 
 
 class DataValidationError(RuntimeError):
@@ -15,25 +19,36 @@ class DataValidationError(RuntimeError):
 
 
 def run(params: Params, layout: Layout, round_index: int) -> dict[str, Any]:
+    """The gate over steps.parquet. On success validated.parquet, the report and validate.json replace the old ones
+    together; on failure they are left as they were, and the report of the failed run is written beside them
+    (``validate_report.failed.json``, not a pipeline output) and quoted in the error."""
     cfg = params.validate
     frame, metadata = read_steps(require(layout.steps(round_index), f"rollout_{round_index}"))
-    limits = QualityLimits(max_prompt_tokens=cfg.max_prompt_tokens, max_response_tokens=cfg.max_response_tokens,
-                           reward_min=cfg.reward_min, reward_max=cfg.reward_max,
-                           group_size=params.rollout.group_size)
-    report = validate_steps(frame, limits, round=round_index)
+    snapshot = layout.curation(round_index)
+    curation = read_curation(snapshot) if snapshot.exists() else None
+    report = validate_steps(frame, cfg.limits(params.rollout.group_size), round=round_index)
     report_path = layout.round_metrics(round_index, "validate_report")
-    write_json(report_path, report.to_dict())
+    failed_path = report_path.with_name(f"{report_path.stem}.failed.json")
     if not report.success:
-        out = layout.validated(round_index)
-        if out.exists():
-            out.unlink()
-        raise DataValidationError(f"round {round_index} data failed validation (report: {report_path}):\n"
-                                  f"{report.render()}")
+        write_json(failed_path, report.to_dict())
+        raise DataValidationError(f"round {round_index} data failed validation (report: {failed_path}; earlier "
+                                  f"outputs left as they were):\n{report.render()}")
+    failed_path.unlink(missing_ok=True)
+    steps_in = len(frame)
+    # what the rollout wrote passed the gate; now the deliberate removals: curation, then failed episodes
+    frame, curated = apply_curation(frame, curation)
+    failed = {"failed_trajectories": 0, "failed_steps": 0}
+    if not cfg.keep_failed:
+        frame, failed = drop_failed(frame)
     kept, stats = (drop_zero_variance_groups(frame) if cfg.drop_zero_variance
                    else (frame, {"groups_total": int(frame["group_id"].nunique()), "groups_dropped": 0,
                                  "steps_dropped": 0}))
-    export_steps(kept, layout.validated(round_index), metadata={**metadata, "validated": True, **stats})
-    metrics = {"round": round_index, "steps_in": len(frame), "steps_out": len(kept),
-               "expectations": len(report.results), **stats}
-    write_json(layout.round_metrics(round_index, "validate"), metrics)
+    metrics = {"round": round_index, "steps_in": steps_in, "steps_out": len(kept),
+               "expectations": len(report.results), **stats, **curated, **failed,
+               "failed_kept": bool(cfg.keep_failed), "curation_snapshot": snapshot.exists()}
+    outputs = [layout.validated(round_index), report_path, layout.round_metrics(round_index, "validate")]
+    with staged_outputs(layout.root, f"validate_{round_index}", outputs) as out:
+        export_steps(kept, out.path(outputs[0]), metadata={**metadata, "validated": True, **stats})
+        write_json(out.path(report_path), {**report.to_dict(), "curation": curated, "failed": failed})
+        write_json(out.path(outputs[2]), metrics)
     return metrics

@@ -7,39 +7,40 @@ prompt and calls a shown macro wherever it is what the expert does next. The pol
 convention; whether a skill then helps is for validation to measure."""
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 from typing import Any
 
 import random
 
-from agents.rollout import expert_demonstrations
+from agents.demos import expert_demonstrations
 from envs.base import Scenario
 from envs.scenarios import expert_steps
 from skills.bank import Skill
 from skills.lifecycle import BankChange, RoundBank, save_round_bank
 from models.build import load_policy, save_policy
 from models.ds_engine import full_weights, make_ds_engine
-from models.trainer import sft_update
-from tasks.common import env_kwargs, episode_options, read_scenarios, seed_everything, skill_slot, write_json
-from tasks.mine import mine_sequences
+from models.sft import sft_update
+from tasks.common import (env_kwargs, episode_options, read_scenarios, seed_everything, skill_slot, skills_per_step,
+                          write_json)
+from skills.miners import mine_skills
 from tasks.skill_trials import with_stats
 from tasks.config import Params
 from tasks.layout import Layout, require
+from tasks.outputs import staged_outputs
 
 
-def bootstrap_bank(scenarios: list[Scenario], params: Params, layout: Layout) -> list[Skill]:
-    """Mine the first bank from the expert trajectories of ``scenarios`` and save it as round 0's bank."""
+def bootstrap_bank(scenarios: list[Scenario], params: Params, layout: Layout, bank_dir: Path) -> list[Skill]:
+    """Mine the first bank from the expert trajectories of ``scenarios`` and save it to ``bank_dir`` (round 0's)."""
     kwargs = env_kwargs(params, layout)
     sequences = [(s.scenario_id, [step.action for step in expert_steps(s, **kwargs.get(s.env, {}))])
                  for s in scenarios]
-    skills = [with_stats(s, round=0, source="expert") for s in mine_sequences(sequences, params)]
+    skills = [with_stats(s, round=0, source="expert") for s in mine_skills(sequences, params.mine)]
     skills = skills[: max(params.skills.max_candidates, 1)]
     as_candidates = params.skills.validate
     changes = [BankChange("added", s, {"as": "candidate" if as_candidates else "live", "source": "expert"})
                for s in skills]
     bank = RoundBank(live=[] if as_candidates else skills, candidates=skills if as_candidates else [])
-    save_round_bank(layout.skills(0), bank, changes, header=f"round 0: mined ({params.mine.method}) {len(skills)} "
+    save_round_bank(bank_dir, bank, changes, header=f"round 0: mined ({params.mine.method}) {len(skills)} "
                                                             f"from {len(sequences)} expert demonstrations")
     return skills
 
@@ -55,17 +56,15 @@ def sft_policy(model, tokenizer, scenarios: list[Scenario], params: Params, save
     guided = [s for i, s in enumerate(scenarios) if i in chosen]
     # every scenario keeps its plain demonstration (held-out play is plain); the chosen ones add a skill-guided one
     pairs = expert_demonstrations(tokenizer, scenarios, **episode_options(params, layout),
-                                  tool_format=params.rollout.tool_format)
+                                  tool_format=params.harness.tool_format)
     if guided:
         pairs += expert_demonstrations(tokenizer, guided, **episode_options(params, layout),
-                                       tool_format=params.rollout.tool_format,
+                                       tool_format=params.harness.tool_format,
                                        skills_for=skill_slot(list(skills), params),
-                                       skills_per_step=params.evaluate.skills_per_step,
+                                       skills_per_step=skills_per_step(params),
                                        call_macros=params.skills.macros)
-    engine = make_ds_engine(model, lr=cfg.lr, zero_stage=params.train.zero_stage,
-                            micro_batch_size=cfg.micro_batch_size)
-    metrics = sft_update(engine, pairs, pad_id=tokenizer.pad_token_id, micro_batch_size=cfg.micro_batch_size,
-                         epochs=cfg.epochs, seed=params.pipeline.seed)
+    engine = make_ds_engine(model, cfg.optimizer, micro_batch_size=cfg.update.micro_batch_size)
+    metrics = sft_update(engine, pairs, pad_id=tokenizer.pad_token_id, update=cfg.update, seed=params.pipeline.seed)
     metrics["demos"] = len(pairs)
     metrics["skill_guided_scenarios"] = len(guided)
     with full_weights(engine) as trained:  # gathers ZeRO-3 partitions; a no-op for stages 0-2
@@ -74,22 +73,23 @@ def sft_policy(model, tokenizer, scenarios: list[Scenario], params: Params, save
 
 
 def run(params: Params, layout: Layout) -> dict[str, Any]:
+    """The warm-start policy, round 0's skill bank and warmstart.json, replaced together once all succeeded."""
     seed_everything(params.pipeline.seed)
     base = require(layout.policy("base"), "bootstrap")
-    target = layout.policy("warmstart")
-    if target.exists():
-        shutil.rmtree(target)
+    scenarios = read_scenarios(layout, "train")[: params.warmstart.demo_scenarios]
+    target, bank_dir, metrics_path = layout.policy("warmstart"), layout.skills(0), layout.metrics_dir / "warmstart.json"
     model, tokenizer = load_policy(base)
     metrics: dict[str, Any] = {"enabled": params.warmstart.enabled}
-    # round 0's bank always exists (the first rollout and mine stages read it): empty unless mined below
-    save_round_bank(layout.skills(0), RoundBank(), [], header="round 0: no bootstrap skills (warm start off or "
-                                                              "warmstart.skill_demos = 0)")
-    if params.warmstart.enabled:
-        scenarios = read_scenarios(layout, "train")[: params.warmstart.demo_scenarios]
-        skills = bootstrap_bank(scenarios, params, layout) if params.warmstart.skill_demos > 0 else []
-        metrics["bootstrap_skills"] = [s.name for s in skills]
-        metrics.update(sft_policy(model, tokenizer, scenarios, params, target, layout, skills))
-    else:
-        save_policy(model, tokenizer, target)
-    write_json(layout.metrics_dir / "warmstart.json", metrics)
+    with staged_outputs(layout.root, "warmstart", [target, bank_dir, metrics_path]) as out:
+        # round 0's bank always exists (the first rollout and mine stages read it): empty unless mined below
+        save_round_bank(out.path(bank_dir), RoundBank(), [], header="round 0: no bootstrap skills (warm start off "
+                                                                    "or warmstart.skill_demos = 0)")
+        if params.warmstart.enabled:
+            skills = (bootstrap_bank(scenarios, params, layout, out.path(bank_dir))
+                      if params.warmstart.skill_demos > 0 else [])
+            metrics["bootstrap_skills"] = [s.name for s in skills]
+            metrics.update(sft_policy(model, tokenizer, scenarios, params, out.path(target), layout, skills))
+        else:
+            save_policy(model, tokenizer, out.path(target))
+        write_json(out.path(metrics_path), metrics)
     return metrics

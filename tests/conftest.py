@@ -20,11 +20,8 @@ def env_like_texts() -> list[str]:
 @pytest.fixture(scope="session")
 def tiny_policy_dir(tmp_path_factory):
     """Folder with a ~0.3M-parameter Qwen2 model and its BPE tokenizer (save_policy format)."""
-    from models.build import build_model, save_policy, train_tokenizer
+    from models.build import TinyModelConfig, build_model, save_policy, train_tokenizer
 
     tokenizer = train_tokenizer(ENV_LIKE_TEXTS, vocab_size=320)
-    model = build_model(
-        "qwen2", tokenizer, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
-        intermediate_size=128, max_position_embeddings=256, seed=0,
-    )
+    model = build_model(tokenizer, TinyModelConfig(arch="qwen2", hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128, max_position_embeddings=256), seed=0)
     return save_policy(model, tokenizer, tmp_path_factory.mktemp("policy") / "tiny")

@@ -25,6 +25,7 @@ from fastapi.routing import APIRoute
 from pydantic import BaseModel, Field, StrictBool
 
 from datapool.batches import build_batch
+from datapool.records import TRAJECTORY_FIELDS
 
 STATIC_DIR = Path(__file__).parent / "static"
 STATIC_FILES: dict[str, str] = {"app.js": "text/javascript", "style.css": "text/css", "index.html": "text/html"}
@@ -190,7 +191,7 @@ def _step_view(step: Any, curation: dict[str, Any] | None) -> dict[str, Any]:
     flags = {
         "truncated": bool(step.truncated),
         "invalid_action": not bool(step.action_valid),
-        "retokenized": bool(getattr(step, "retokenized", False)),
+        "retokenized": bool(step.retokenized),
         "tool_failure": int(step.tool_successes) < int(step.tool_calls),
     }
     return {
@@ -227,9 +228,7 @@ def get_trajectory(request: Request, trajectory_id: str) -> dict[str, Any]:
     traj = pool.get_trajectory(trajectory_id)
     curation = pool.curation_of(trajectory_id)
     step_curation = {int(k): v for k, v in (curation.get("steps") or {}).items()}
-    fields = {name: getattr(traj, name) for name in (
-        "trajectory_id", "group_id", "scenario", "env", "split", "round", "policy_version", "status",
-        "episode_return", "won", "num_steps", "response_tokens", "wall_time_s", "error", "metadata")}
+    fields = {f.name: getattr(traj, f.name) for f in TRAJECTORY_FIELDS}
     fields["steps"] = [_step_view(s, step_curation.get(s.step_index))
                        for s in sorted(traj.steps, key=lambda s: s.step_index)]
     fields["curation"] = _curation_view(curation.get("trajectory"))

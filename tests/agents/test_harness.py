@@ -5,10 +5,14 @@ from __future__ import annotations
 import random
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from agents.rollout import expert_texts, run_episodes, summarize
+from agents.context import Turn, fold_process_rewards
+from agents.demos import expert_texts
+from agents.rollout import _process_reward, run_episodes, summarize
 from envs import ENVS, make_scenarios
 from models.engine import Generation, SamplingParams
 
@@ -108,6 +112,23 @@ def test_fold_expert_replay_wins_and_earns_process_rewards(tokenizer):
         assert closes and all(r == pytest.approx(0.15) for r in closes)  # the expert closes after real progress
         assert all(s.process_reward == 0.0 for s in traj.steps if "<done>" not in s.response_text)
         assert all(s.context_manager == "fold" for s in traj.steps)
+
+
+RESPONSES = st.sampled_from([" look", " <subgoal>a</subgoal> go", " <done>did a</done> go", "<done>x</done>",
+                             " <done>s</done> <subgoal>b</subgoal> take", "<subgoal>c</subgoal>", " <done>"])
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(RESPONSES, st.integers(0, 1)), max_size=12), st.sampled_from([0.0, 0.1, 0.25]),
+       st.booleans())
+def test_a_steps_process_reward_is_final_when_the_step_is_made(turn_specs, alpha, subgoals):
+    """The loop scores each step as it is recorded (its StepRecord never changes after): the reward of turn k from
+    turns[:k + 1] equals fold_process_rewards over the whole episode, so no later turn could change it."""
+    done, turns = 0, []
+    for response, progress in turn_specs:
+        turns.append(Turn("obs", response, "act", done if subgoals else None))
+        done += progress
+    assert [_process_reward(turns[:k + 1], alpha) for k in range(len(turns))] == fold_process_rewards(turns, alpha)
 
 
 def test_fold_penalizes_a_close_without_progress(tokenizer):

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from agents.rollout import SkillSlot, expert_texts, macro_call, run_episodes
+from agents.demos import expert_texts
+from agents.rollout import SkillSlot, macro_call, run_episodes
 from envs import expert_trajectory, make_scenarios
 from models.build import train_tokenizer
 from models.engine import Generation, SamplingParams
@@ -62,14 +63,14 @@ def test_a_macro_runs_as_one_action_and_records_what_internalization_needs(path_
     assert traj.won and traj.num_steps == 1 and traj.episode_return == pytest.approx(1.0)
     [step] = traj.steps
     assert step.action == "skill 1" and step.action_valid and step.skill_ids == ["walk"]
-    assert traj.metadata["macro_calls"] == 1
-    [entry] = traj.metadata["skill_trace"]
-    plain = tokenizer.decode(entry["plain_prompt_ids"])
+    assert traj.metadata["macro_calls"] == 1 and "skill_trace" not in traj.metadata  # the trace is step fields
+    plain = tokenizer.decode(step.plain_prompt_ids)
     assert "Skill 1" not in plain and plain == step.prompt_text[step.prompt_text.index("Task:"):]
-    subs = entry["macro"]
-    assert [tokenizer.decode(s["action_ids"], skip_special_tokens=True) for s in subs] == [" " + a for a in actions]
-    assert all("Skill" not in tokenizer.decode(s["prompt_ids"]) for s in subs)
-    assert len({tuple(s["prompt_ids"]) for s in subs}) == len(actions)  # each sub-step has its own observation
+    assert [tokenizer.decode(ids, skip_special_tokens=True) for ids in step.macro_action_ids] == \
+        [" " + a for a in actions]
+    assert all(ids[-1] == tokenizer.eos_token_id for ids in step.macro_action_ids)
+    assert all("Skill" not in tokenizer.decode(ids) for ids in step.macro_prompt_ids)
+    assert len({tuple(ids) for ids in step.macro_prompt_ids}) == len(actions)  # each sub-step: its own observation
 
 
 def test_a_macro_stops_at_the_end_of_the_episode_and_bad_arguments_are_an_invalid_step(path_scenario, tokenizer):
@@ -77,7 +78,8 @@ def test_a_macro_stops_at_the_end_of_the_episode_and_bad_arguments_are_an_invali
     slot = SkillSlot("Skill 1: walk", ("walk",), {"skill 1": tuple(actions) + ("up", "up"), "skill 2": ("go {a}",)})
     [traj] = run_episodes(Scripted(tokenizer, ["skill 1"]), tokenizer, [scenario], group_size=1, sampling=SAMPLING,
                           skills_for=lambda query: slot, env_kwargs={"frozenlake": LAKE}, progress=False)
-    assert traj.won and len(traj.metadata["skill_trace"][0]["macro"]) == len(actions)   # the trailing ups never ran
+    assert traj.won and len(traj.steps[0].macro_prompt_ids) == len(actions)   # the trailing ups never ran
+    assert len(traj.steps[0].macro_action_ids) == len(actions)
     answers = ["skill 2"] + ["up"] * 20
     [bad] = run_episodes(Scripted(tokenizer, answers), tokenizer, [scenario], group_size=1, sampling=SAMPLING,
                          skills_for=lambda query: slot, env_kwargs={"frozenlake": LAKE}, progress=False)
@@ -88,7 +90,8 @@ def test_skill_free_episodes_record_no_trace(path_scenario, tokenizer):
     scenario, actions = path_scenario
     [traj] = run_episodes(Scripted(tokenizer, actions), tokenizer, [scenario], group_size=1, sampling=SAMPLING,
                           env_kwargs={"frozenlake": LAKE}, progress=False)
-    assert traj.won and traj.metadata["skill_trace"] == [{}] * len(actions) and traj.metadata["macro_calls"] == 0
+    assert traj.won and traj.metadata["macro_calls"] == 0
+    assert all(s.plain_prompt_ids == [] and s.macro_prompt_ids == [] == s.macro_action_ids for s in traj.steps)
 
 
 def test_demonstrations_call_a_shown_macro_where_the_expert_would_run_it(path_scenario):

@@ -9,7 +9,8 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
 from agents.prompts import build_prompt, response_text
-from agents.rollout import expert_demonstrations, run_episodes, summarize
+from agents.demos import expert_demonstrations
+from agents.rollout import run_episodes, summarize
 from datapool.records import StepRecord, TrajectoryRecord
 from envs import ENVS, Scenario, expert_trajectory, make_scenarios, register_env, shortest_path_actions
 from envs.frozenlake import FrozenLakeText

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -164,9 +165,9 @@ def test_order_of_application_matters_and_shaping_accumulates() -> None:
     cfg = FilterConfig(overlong_max_tokens=10, overlong_buffer_tokens=4)
     df = frame(traj("a", "g0"), traj("b", "g0", tokens=[4, 4], tools=[1, 0], successes=[1, 0]),
                traj("c", "g1"), traj("d", "g1", rewards=(0, 0), won=False))
-    early, stats = apply_filters(df, ["degenerate_groups", "overlong"], cfg)
+    early, stats = apply_filters(df, replace(cfg, names=("degenerate_groups", "overlong")))
     assert early["group_id"].unique().tolist() == ["g1"] and stats["overlong_shaped_trajectories"] == 0
-    late, stats = apply_filters(df, ["overlong", "degenerate_groups"], cfg)
+    late, stats = apply_filters(df, replace(cfg, names=("overlong", "degenerate_groups")))
     assert late["group_id"].unique().tolist() == ["g0", "g1"] and returns(late)["b"] == 0.5
     assert stats["degenerate_groups_dropped_groups"] == 0
     assert {k: stats[k] for k in stats if k.startswith("filters_")} == {
@@ -174,29 +175,27 @@ def test_order_of_application_matters_and_shaping_accumulates() -> None:
         "filters_trajectories_out": 4, "filters_groups_out": 2, "filters_steps_out": 8}
 
     # overlong -0.5 then dual_path: a won tool-free, so b (1 call) -0.02 more; shaping holds the total
-    both, stats = apply_filters(df, ["overlong", "dual_path"], cfg)
+    both, stats = apply_filters(df, replace(cfg, names=("overlong", "dual_path")))
     b = both[both["trajectory_id"] == "b"]
     assert b["shaping"].round(10).tolist() == [-0.52, -0.52] and b["reward"].round(10).tolist() == [0.0, 0.48]
     assert (both["episode_return"] - both["shaping"]).tolist() == df["episode_return"].tolist()
 
 
-def test_unknown_repeated_and_string_names_are_rejected_before_running() -> None:
-    df = frame(traj("a", "g0"))
+def test_unknown_repeated_and_string_names_are_rejected_when_configured() -> None:
     with pytest.raises(ValueError) as err:
-        apply_filters(df, ["truncated", "overlong_v2", "nope"], CFG)
+        replace(CFG, names=("truncated", "overlong_v2", "nope"))
     message = str(err.value)
     assert "['overlong_v2', 'nope']" in message and ", ".join(FILTERS.names()) in message
-    with pytest.raises(ValueError, match=r"\['overlong'\] listed more than once"):
-        apply_filters(df, ["overlong", "truncated", "overlong"], CFG)
-    with pytest.raises(TypeError, match="list of filter names"):
-        apply_filters(df, "overlong", CFG)
-    assert FILTERS.names() == ["degenerate_groups", "dual_path", "efficiency_gating", "overlong", "tool_failure",
-                               "tool_penalty", "truncated"]
+    with pytest.raises(ValueError, match=r"not \['overlong'\] twice"):
+        replace(CFG, names=("overlong", "truncated", "overlong"))
+    with pytest.raises(ValueError, match="a list of filter names"):
+        replace(CFG, names="overlong")
 
 
 def test_missing_columns_name_the_filter() -> None:
     with pytest.raises(ValueError, match=r"filter 'tool_failure'.*\['tool_calls', 'tool_successes'\]"):
-        apply_filters(frame(traj("a", "g0")).drop(columns=["tool_calls", "tool_successes"]), ["tool_failure"], CFG)
+        apply_filters(frame(traj("a", "g0")).drop(columns=["tool_calls", "tool_successes"]),
+                      replace(CFG, names=("tool_failure",)))
 
 
 def test_no_filter_modifies_its_input() -> None:
@@ -209,7 +208,7 @@ def test_no_filter_modifies_its_input() -> None:
     cfg = FilterConfig(overlong_max_tokens=16, overlong_buffer_tokens=4)
     for name in FILTERS.names():
         FILTERS[name](df, cfg)
-    out, _ = apply_filters(df, FILTERS.names(), cfg)
+    out, _ = apply_filters(df, replace(cfg, names=tuple(FILTERS.names())))
     pd.testing.assert_frame_equal(df, snapshot)
     assert [id(v) for v in df["response_ids"]] == ids and "shaping" not in df.columns
     assert "shaping" in out.columns
@@ -217,7 +216,7 @@ def test_no_filter_modifies_its_input() -> None:
 
 def test_an_empty_frame_passes_through_every_filter() -> None:
     empty = frame(traj("a", "g0")).iloc[0:0]
-    out, stats = apply_filters(empty, FILTERS.names(), CFG)
+    out, stats = apply_filters(empty, replace(CFG, names=tuple(FILTERS.names())))
     assert out.empty and "shaping" in out.columns
     assert all(value == 0 for value in stats.values())
 
@@ -246,7 +245,8 @@ def test_a_pool_frame_goes_through_the_filters_and_into_parquet(tmp_path: Path) 
     with DataPool(str(tmp_path / "pool.db")) as pool:
         pool.add_trajectories(trajs)
         df = pool.steps_frame(round=1)
-    out, stats = apply_filters(df, ["truncated", "tool_failure", "dual_path", "degenerate_groups"], CFG)
+    out, stats = apply_filters(df, replace(CFG, names=("truncated", "tool_failure", "dual_path",
+                                                       "degenerate_groups")))
     assert returns(out) == {"t0": 1.0, "t1": 0.96, "t2": 0.0} and stats["filters_groups_out"] == 1
     export_steps(out, tmp_path / "validated.parquet", metadata={"round": 1, **stats})
     back, meta = read_steps(tmp_path / "validated.parquet")
@@ -294,7 +294,7 @@ def test_any_filter_order_keeps_the_books(df: pd.DataFrame, names: list[str]) ->
     """Whatever runs: rows only disappear, whole trajectories at a time; step rewards still sum to the return;
     episode_return - shaping is the env's return; the reward changes only on last steps."""
     cfg = FilterConfig(overlong_max_tokens=12, overlong_buffer_tokens=6, efficiency_tool_weight=0.25)
-    out, _ = apply_filters(df, names, cfg)
+    out, _ = apply_filters(df, replace(cfg, names=tuple(names)))
     original = df.set_index(["trajectory_id", "step_index"])
     shaped = out.set_index(["trajectory_id", "step_index"])
     assert set(shaped.index) <= set(original.index)

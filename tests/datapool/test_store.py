@@ -168,8 +168,9 @@ def test_export_round_writes_the_round_steps(pool: DataPool, tmp_path: Path) -> 
     df, metadata = read_steps(path)
     assert metadata["round"] == 2 and metadata["policy_versions"] == ["v1"] and metadata["trajectories"] == 1
     expected = pool.steps_frame(round=2)
-    assert list(df.columns) == [*expected.columns, "shaping"]  # the file adds the filters' column, 0.0 here
-    assert df["shaping"].tolist() == [0.0] * 3 and df["tool_calls"].tolist() == expected["tool_calls"].tolist()
+    assert list(df.columns) == [*expected.columns, "shaping", "label"]  # the file adds the filters' column (0.0
+    # here) and validate's curation label ("" here)
+    assert df["shaping"].tolist() == [0.0] * 3 and df["label"].tolist() == [""] * 3 and df["tool_calls"].tolist() == expected["tool_calls"].tolist()
     assert df["prompt_ids"].tolist() == expected["prompt_ids"].tolist()
     assert df["logprobs"].tolist() == expected["logprobs"].tolist()
 
@@ -268,25 +269,45 @@ def test_a_version_1_pool_is_migrated_in_place(tmp_path: Path) -> None:
                      (encode_ids([1, 2]), encode_ids([3, 4]), encode_logprobs([-0.5, -0.25])))
     conn.close()
 
-    assert SCHEMA_VERSION == 4
-    with DataPool(str(db)) as pool:  # 1 -> 2 (tool counts) -> 3 (process reward) -> 4 (gateway), in one transaction
+    assert SCHEMA_VERSION == 5
+    with DataPool(str(db)) as pool:  # 1 -> 2 (tool counts) -> 3 (process reward) -> 4 (gateway) -> 5 (skill trace)
         with pool.engine.connect() as conn:
-            assert conn.execute(text("SELECT id, version FROM schema_version")).all() == [(1, 4)]
+            assert conn.execute(text("SELECT id, version FROM schema_version")).all() == [(1, 5)]
         old = pool.steps_frame()
         assert old["trajectory_id"].tolist() == ["old"] and old["response_ids"].tolist() == [[3, 4]]
         assert old["tool_calls"].tolist() == [0] and old["tool_successes"].tolist() == [0]
         assert old["process_reward"].tolist() == [0.0]
         assert old["retokenized"].tolist() == [False] and old["excluded"].tolist() == [False]
+        assert old["plain_prompt_ids"].tolist() == [[]] and old["macro_prompt_ids"].tolist() == [[]]
         assert pool.query_trajectories()[0]["created_at"] == 0.0  # unknown for rows older than version 4
         assert pool.add_trajectories([make_traj("new", steps=3)]) == 1
         assert pool.steps_frame()["tool_calls"].tolist() == [0, 1, 2, 0]  # "new" sorts before "old"
     with DataPool(str(db)) as again:  # opening a migrated pool is a no-op
         assert again.counts() == {"trajectories": 2, "steps": 4}
+    with DataPool(str(tmp_path / "fresh.db")):
+        pass
+    migrated, fresh = _table_info(db), _table_info(tmp_path / "fresh.db")
+    assert migrated["steps"]["tool_calls"] == ("INTEGER", 1, "0")  # (type, not null, default)
+    assert migrated["steps"]["plain_prompt_ids"] == ("BLOB", 1, "X''")
+    for table in ("trajectories", "steps"):  # the columns of a pool created today; those added, with its types
+        assert list(migrated[table]) == list(fresh[table]), table
+        original = _table_info_of_script(V1_SCHEMA)[table]
+        assert {name: info[:2] for name, info in migrated[table].items() if name not in original} == \
+            {name: info[:2] for name, info in fresh[table].items() if name not in original}, table
+
+
+def _table_info(db: Path | str, script: str = "") -> dict[str, dict[str, tuple]]:
+    """table -> column -> (declared type, not null, default SQL) of a SQLite file (after running ``script``)."""
     with sqlite3.connect(db) as conn:
-        columns = {row[1]: row for row in conn.execute("PRAGMA table_info(steps)")}
+        conn.executescript(script)
+        out = {table: {row[1]: (row[2], row[3], row[4]) for row in conn.execute(f"PRAGMA table_info({table})")}
+               for table in ("trajectories", "steps")}
     conn.close()
-    assert columns["tool_calls"][2] == "INTEGER" and columns["tool_calls"][4] == "0"  # type, default
-    assert columns["process_reward"][2] == "FLOAT" and columns["process_reward"][4] == "0"
+    return out
+
+
+def _table_info_of_script(script: str) -> dict[str, dict[str, tuple]]:
+    return _table_info(":memory:", script)
 
 
 def test_a_failed_migration_changes_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

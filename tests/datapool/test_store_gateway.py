@@ -223,8 +223,8 @@ def test_open_trajectory_races_create_it_once(pool_url: str) -> None:
     pool.close()
 
 
-def test_a_version_3_pool_is_migrated_to_4(pool_url: str) -> None:
-    """Take a fresh pool back to version 3 (drop what 4 added), then reopen it: the migration restores it."""
+def test_a_version_3_pool_is_migrated_to_the_current_version(pool_url: str) -> None:
+    """Take a fresh pool back to version 3 (drop what 4 and 5 added), then reopen it: the migrations restore it."""
     with DataPool(pool_url) as pool:
         pool.open_trajectory("old", group_id="g", policy_version="v0")
         pool.append_step(make_step("old", "g"))
@@ -232,13 +232,14 @@ def test_a_version_3_pool_is_migrated_to_4(pool_url: str) -> None:
             conn.execute(text("DROP TABLE curation"))
             conn.execute(text("DROP TABLE requests"))
             conn.execute(text("DROP INDEX ix_trajectories_created_at"))
-            conn.execute(text("ALTER TABLE steps DROP COLUMN retokenized"))
+            for column in ("retokenized", "plain_prompt_ids", "macro_prompt_ids", "macro_action_ids"):
+                conn.execute(text(f"ALTER TABLE steps DROP COLUMN {column}"))
             conn.execute(text("ALTER TABLE trajectories DROP COLUMN created_at"))
             conn.execute(text("UPDATE schema_version SET version = 3"))
-    assert SCHEMA_VERSION == 4
+    assert SCHEMA_VERSION == 5
     with DataPool(pool_url) as pool:
         with pool.engine.connect() as conn:
-            assert conn.execute(text("SELECT version FROM schema_version")).scalar() == 4
+            assert conn.execute(text("SELECT version FROM schema_version")).scalar() == 5
         old = pool.get_trajectory("old")
         assert old.steps[0].retokenized is False and old.num_steps == 1
         pool.curate("old", step_index=0, excluded=True)  # the new tables exist

@@ -12,9 +12,8 @@ from textworld.logic import Proposition, Variable
 
 from envs import ENVS, make_env, make_scenarios
 from envs.scenarios import expert_trajectory
-from envs.textworld_cooking import (INVALID_FEEDBACK, CookingSettings, TextWorldCooking, game_file_problem,
-                                    game_path, generate_game, generate_games, shorten_feedback,
-                                    summarize_room)
+from envs.textworld_cooking import INVALID_FEEDBACK, TextWorldCooking, shorten_feedback, summarize_room
+from envs.textworld_games import CookingSettings, game_file_problem, game_path, generate_game, generate_games
 
 DEFAULT = CookingSettings()
 HARD = dict(recipe=2, take=2, go=6, open=True, cook=True, cut=True)

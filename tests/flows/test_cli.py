@@ -20,7 +20,7 @@ def test_committed_dvc_yaml_matches_params():
 
 def test_rounds_are_unrolled_in_order():
     names = [f"{s}_{r}" if r else s for s, r in stage_sequence(2)]
-    assert names == ["bootstrap", "warmstart", "rollout_1", "validate_1", "mine_1", "train_1", "rollout_2",
+    assert names == ["bootstrap", "curate", "warmstart", "rollout_1", "validate_1", "mine_1", "train_1", "rollout_2",
                      "validate_2", "mine_2", "train_2", "evaluate", "transfer"]
 
 

@@ -36,8 +36,8 @@ def test_bootstrap_deployment_runs_on_a_process_worker(tmp_path):
     for name in ["envs", "agents", "models", "tasks", "skills", "datapool", "flows", "infra"]:
         shutil.copytree(REPO / name, project / name, ignore=shutil.ignore_patterns("__pycache__"))
     tiny = parse_params({"bootstrap": {"train_scenarios": 16, "heldout_scenarios": 4, "tokenizer_corpus_episodes": 16,
-                                       "hidden_size": 32, "intermediate_size": 64},
-                         "rollout": {"scenarios_per_round": 4}})
+                                       "tiny": {"hidden_size": 32, "intermediate_size": 64}},
+                         "rollout": {"scenarios_per_round": 4}, "warmstart": {"demo_scenarios": 16}})
     (project / "params.yaml").write_text(yaml.safe_dump(params_to_dict(tiny)))
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}

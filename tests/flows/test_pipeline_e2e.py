@@ -21,14 +21,14 @@ SUMMARY_KEYS = {"success_rate", "mean_return", "mean_steps", "mean_response_toke
 
 TINY = {
     "pipeline": {"rounds": 1, "seed": 3},
-    "bootstrap": {"train_scenarios": 24, "heldout_scenarios": 8, "tokenizer_corpus_episodes": 40, "hidden_size": 64,
-                  "intermediate_size": 128},
-    "warmstart": {"demo_scenarios": 24, "epochs": 1, "micro_batch_size": 32},
-    "rollout": {"scenarios_per_round": 6, "group_size": 4, "temperature": 1.0},
+    "bootstrap": {"train_scenarios": 24, "heldout_scenarios": 8, "tokenizer_corpus_episodes": 40,
+                  "tiny": {"hidden_size": 64, "intermediate_size": 128}},
+    "warmstart": {"demo_scenarios": 24, "update": {"epochs": 1, "micro_batch_size": 32}},
+    "rollout": {"scenarios_per_round": 6, "group_size": 4, "sampling": {"temperature": 1.0}},
     "validate": {"drop_zero_variance": False},
     "mine": {"min_support": 0.1},
-    "train": {"micro_batch_size": 32, "epochs": 1, "lr": 0.001},
-    "transfer": {"hidden_size": 64, "intermediate_size": 128},
+    "train": {"update": {"micro_batch_size": 32, "epochs": 1}, "optimizer": {"lr": 0.001}},
+    "transfer": {"model": {"hidden_size": 64, "intermediate_size": 128}},
 }
 
 
@@ -103,39 +103,48 @@ def test_pipeline_flow_end_to_end(tmp_path, prefect_harness, monkeypatch):
     parent = [r for r in runs if r.data.tags.get("arlflow.kind") == "pipeline"]
     stages = [r for r in runs if r.data.tags.get("arlflow.kind") == "stage"]
     assert len(parent) == 1
-    assert {r.data.tags["stage"] for r in stages} == {"bootstrap", "warmstart", "rollout", "validate", "mine",
-                                                      "train", "evaluate", "transfer"}
+    assert {r.data.tags["stage"] for r in stages} == {"bootstrap", "curate", "warmstart", "rollout", "validate",
+                                                      "mine", "train", "evaluate", "transfer"}
     assert all(r.data.tags["mlflow.parentRunId"] == parent[0].info.run_id for r in stages)
     train_run = next(r for r in stages if r.data.tags["stage"] == "train")
     assert {"loss", "clip_fraction", "grad_norm"} <= set(train_run.data.metrics)
     assert client.get_model_version_by_alias("arlflow-policy", "champion").tags["round"] == "1"
 
-    # DVC: everything is recorded; a second run is a no-op
+    # DVC: everything is recorded; a second run only re-reads the pool's curation (the always-changed stage)
     dvc = str(Path(sys.executable).parent / "dvc")
-    status = subprocess.run([dvc, "status"], cwd=tmp_path, capture_output=True, text=True)
-    assert "up to date" in status.stdout, status.stdout
+    status = subprocess.run([dvc, "status", "--json"], cwd=tmp_path, capture_output=True, text=True)
+    assert json.loads(status.stdout) == {"curate": ["always changed"]}, status.stdout
     again = pipeline_flow(root=str(tmp_path))
-    assert again["ran"] == []
+    assert again["ran"] == ["curate"]
 
     # a train parameter change makes only train and what depends on it stale; `dvc repro` reruns just those,
     # through `arlflow stage ...` (the same stage functions), under one MLflow parent run for the repro
     raw = yaml.safe_load((tmp_path / "params.yaml").read_text())
-    raw["train"]["lr"] = 0.002
+    raw["train"]["optimizer"]["lr"] = 0.002
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
     for inherited in ("PREFECT_API_URL", "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(inherited, None)  # this test process already holds a torch.distributed group on MASTER_PORT
     stale = subprocess.run([dvc, "status", "--json"], cwd=tmp_path, capture_output=True, text=True, env=env)
-    assert set(json.loads(stale.stdout)) == {"train_1"}, stale.stdout  # downstream shows once train's outs change
+    assert set(json.loads(stale.stdout)) == {"curate", "train_1"}, stale.stdout  # downstream shows once train's
+    # outs change
     repro = subprocess.run([dvc, "repro"], cwd=tmp_path, capture_output=True, text=True, env=env)
     assert repro.returncode == 0, repro.stdout[-3000:] + repro.stderr[-3000:]
     assert "Running stage 'train_1'" in repro.stdout and "Running stage 'evaluate'" in repro.stdout
     assert "Running stage 'rollout_1'" not in repro.stdout and "Running stage 'transfer'" not in repro.stdout
-    status = subprocess.run([dvc, "status"], cwd=tmp_path, capture_output=True, text=True, env=env)
-    assert "up to date" in status.stdout, status.stdout
+    status = subprocess.run([dvc, "status", "--json"], cwd=tmp_path, capture_output=True, text=True, env=env)
+    assert json.loads(status.stdout) == {"curate": ["always changed"]}, status.stdout
     runs = client.search_runs([experiment.experiment_id])
     repro_parent = [r for r in runs if r.info.run_name == "dvc-repro"]
     assert len(repro_parent) == 1
     nested = {r.data.tags.get("stage") for r in runs
               if r.data.tags.get("mlflow.parentRunId") == repro_parent[0].info.run_id}
-    assert nested == {"train", "evaluate"}
+    assert nested == {"curate", "train", "evaluate"}
+
+    # an exclusion made in the pool after the round marks validate_1 stale (through the curation snapshot)
+    with DataPool(layout.pool_url) as pool:
+        pool.curate(pool.steps_frame(round=1)["trajectory_id"].iloc[0], excluded=True, note="looks wrong")
+    from tasks import curate
+    curate.run(parse_params(yaml.safe_load((tmp_path / "params.yaml").read_text())), layout)
+    stale = subprocess.run([dvc, "status", "--json"], cwd=tmp_path, capture_output=True, text=True, env=env)
+    assert {"curate", "validate_1"} <= set(json.loads(stale.stdout)) and "rollout_1" not in stale.stdout

@@ -25,7 +25,9 @@ import torch.distributed as dist  # noqa: E402
 from transformers import Qwen2Config, Qwen2ForCausalLM  # noqa: E402
 
 from models import checkpoint  # noqa: E402
-from models.trainer import TrainRow, full_weights, make_ds_engine, rl_update  # noqa: E402
+from models.ds_engine import OptimizerConfig, full_weights, make_ds_engine  # noqa: E402
+from models.losses import LossConfig  # noqa: E402
+from models.trainer import TrainRow, UpdateConfig, rl_update  # noqa: E402
 
 VOCAB = 64
 
@@ -85,19 +87,20 @@ def main() -> None:
     updates = args.epochs * -(-args.rows // args.mini_batch_size)
     model = build_model(args.dropout)
     initial = {name: p.detach().clone() for name, p in model.named_parameters()}
-    engine = make_ds_engine(model, lr=3e-3, zero_stage=args.zero_stage,
-                            micro_batch_size=args.micro_batch_size, lr_schedule="cosine", warmup_steps=2,
-                            total_steps=updates, min_lr_ratio=0.1)
+    optimizer = OptimizerConfig(lr=3e-3, zero_stage=args.zero_stage, lr_schedule="cosine", warmup_steps=2,
+                                min_lr_ratio=0.1)
+    engine = make_ds_engine(model, optimizer, micro_batch_size=args.micro_batch_size, total_steps=updates)
     seen: list[int] = []
 
     def on_update(step: int, metrics: dict[str, float]) -> None:
         seen.append(step)
         time.sleep(args.step_sleep)
 
-    result = rl_update(engine, rows, pad_id=0, micro_batch_size=args.micro_batch_size, epochs=args.epochs,
-                       mini_batch_size=args.mini_batch_size, token_budget=args.token_budget, seed=7,
-                       clip_high=0.28, on_update=on_update, checkpoint_dir=args.checkpoint_dir,
-                       checkpoint_every=args.checkpoint_every)
+    update = UpdateConfig(epochs=args.epochs, micro_batch_size=args.micro_batch_size,
+                          mini_batch_size=args.mini_batch_size, token_budget=args.token_budget or 0,
+                          checkpoint_every=args.checkpoint_every)
+    result = rl_update(engine, rows, pad_id=0, seed=7, on_update=on_update, checkpoint_dir=args.checkpoint_dir,
+                       loss=LossConfig(clip_high=0.28), update=update)
     with full_weights(engine) as module:
         if dist.get_rank() == 0:
             args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -9,7 +9,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from models.advantages import ADVANTAGES, dr_grpo_scores, grpo_scores, rloo_scores
+from models.advantages import ADVANTAGES
+from models.outcome_advantages import dr_grpo_scores, grpo_scores, rloo_scores
 from models.registry import Registry
 
 SCORE_FNS = {"grpo": grpo_scores, "dr_grpo": dr_grpo_scores, "rloo": rloo_scores}

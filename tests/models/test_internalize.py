@@ -1,4 +1,4 @@
-"""SIRI internalization: token selection and weights, the weighted SFT loss, and sft_update(weights=...)."""
+"""SIRI internalization: token selection and weights, the weighted SFT loss, and sft_update(weights=..., update=UpdateConfig())."""
 from __future__ import annotations
 
 import math
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from models.build import load_policy
-from models.ds_engine import make_ds_engine
+from models.ds_engine import OptimizerConfig, make_ds_engine
 from models.internalize import (
     GuidedStep,
     InternalizeConfig,
@@ -16,7 +16,9 @@ from models.internalize import (
     weighted_sft_loss,
 )
 from models.losses import sft_loss
-from models.trainer import TrainRow, collate, sft_update, token_logprobs
+from models.batching import TrainRow, UpdateConfig, collate
+from models.forward import token_logprobs
+from models.sft import sft_update
 
 PAD = 0
 
@@ -113,7 +115,7 @@ def test_unit_weights_give_sft_loss_value_and_gradient_exactly():
     assert torch.equal(plain, weighted) and torch.equal(plain_grad, weighted_grad)
 
 
-# --- sft_update(weights=...) on the tiny policy ---------------------------------------------------------------------
+# --- sft_update(weights=..., update=UpdateConfig()) on the tiny policy ---------------------------------------------------------------------
 
 def _pairs(tokenizer) -> list[tuple[list[int], list[int]]]:
     return [(tokenizer(f"room {i}. Exits: north.\n> ")["input_ids"], tokenizer(f"take key {i}")["input_ids"])
@@ -133,22 +135,21 @@ def test_sft_update_loss_is_weighted_token_mean(tiny_policy_dir):
         logp = token_logprobs(model, batch)                                     # [B, L]
     mask = batch["response_mask"]                                               # [B, L]
     expected = float(-(batch["advantages"] * logp * mask).sum() / mask.sum())   # -sum w log p / n, before training
-    engine = make_ds_engine(model, lr=1e-3, micro_batch_size=3)
-    metrics = sft_update(engine, pairs, pad_id=PAD, micro_batch_size=3, epochs=1, progress=False, weights=weights)
+    engine = make_ds_engine(model, OptimizerConfig(lr=1e-3), micro_batch_size=3)
+    metrics = sft_update(engine, pairs, pad_id=PAD, progress=False, weights=weights, update=UpdateConfig(epochs=1, micro_batch_size=3))
     assert metrics["loss_first"] == pytest.approx(expected, abs=1e-5)          # one micro-batch: the whole batch
     assert metrics["weighted_tokens"] == len(pairs[0][1]) - 1 + len(pairs[1][1])
     with pytest.raises(ValueError, match="2 weights for 3 pairs"):
-        sft_update(engine, pairs, pad_id=PAD, micro_batch_size=3, epochs=1, progress=False, weights=[1.0, 1.0])
+        sft_update(engine, pairs, pad_id=PAD, progress=False, weights=[1.0, 1.0], update=UpdateConfig(epochs=1, micro_batch_size=3))
     with pytest.raises(ValueError, match="pair 2: weights must be finite and >= 0"):
-        sft_update(engine, pairs, pad_id=PAD, micro_batch_size=3, epochs=1, progress=False,
-                   weights=[1.0, 1.0, -1.0])
+        sft_update(engine, pairs, pad_id=PAD, progress=False, weights=[1.0, 1.0, -1.0], update=UpdateConfig(epochs=1, micro_batch_size=3))
 
 
 def _train(tiny_policy_dir, pairs, weights) -> list[torch.Tensor]:
     """Parameters of a fresh tiny policy after two epochs of sft_update (two micro-batches per optimizer step)."""
     model, _ = load_policy(tiny_policy_dir)
-    engine = make_ds_engine(model, lr=1e-3, micro_batch_size=2, grad_accum=2)
-    sft_update(engine, pairs, pad_id=PAD, micro_batch_size=2, epochs=2, progress=False, weights=weights)
+    engine = make_ds_engine(model, OptimizerConfig(lr=1e-3), micro_batch_size=2, grad_accum=2)
+    sft_update(engine, pairs, pad_id=PAD, progress=False, weights=weights, update=UpdateConfig(epochs=2, micro_batch_size=2))
     return _params(model)
 
 
@@ -191,6 +192,6 @@ def test_internalized_action_becomes_likely_under_the_plain_prompt(tiny_policy_d
             return float((token_logprobs(model, batch) * batch["response_mask"]).sum())
 
     before = target_logprob()
-    engine = make_ds_engine(model, lr=3e-3, micro_batch_size=1)
-    sft_update(engine, pairs, pad_id=PAD, micro_batch_size=1, epochs=5, progress=False, weights=weights)
+    engine = make_ds_engine(model, OptimizerConfig(lr=3e-3), micro_batch_size=1)
+    sft_update(engine, pairs, pad_id=PAD, progress=False, weights=weights, update=UpdateConfig(epochs=5, micro_batch_size=1))
     assert target_logprob() > before + 0.5

@@ -10,8 +10,8 @@ from agents.prompts import build_prompt, response_text
 from datapool.records import StepRecord
 from models.build import train_tokenizer
 from models.layouts import TURN_TEMPLATE, RowSpec, collate_rows, concatenated, step_rows
-from models.losses import entropy_from_logits, policy_objective
-from models.trainer import TrainRow, collate
+from models.losses import LossConfig, entropy_from_logits, policy_objective
+from models.batching import TrainRow, collate
 
 PAD, EOS = 0, 3
 
@@ -211,8 +211,8 @@ def test_layouts_keep_responses_and_masked_tokens_get_no_gradient(trajectory, se
     logp = torch.log_softmax(logits, -1).gather(-1, batch["target_ids"][..., None]).squeeze(-1)  # [B, L]
     noise = torch.randn(mask.shape, generator=gen)                         # [B, L]
     total, _ = policy_objective(logp, logp.detach() + 0.1 * noise, torch.randn(mask.shape, generator=gen), mask,
-                                ref_logp=logp.detach() - 0.1 * noise, kl_beta=0.1,
-                                entropy=entropy_from_logits(logits, mask), entropy_coef=0.01)
+                                LossConfig(kl_beta=0.1, entropy_coef=0.01), ref_logp=logp.detach() - 0.1 * noise,
+                                entropy=entropy_from_logits(logits, mask))
     total.backward()
     off = mask == 0
     assert torch.equal(logits.grad[off], torch.zeros(int(off.sum()), 301))

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ from models.losses import (
     aggregate,
     entropy_from_logits,
     kl_penalty,
+    LossConfig,
     masked_token_mean,
     policy_objective,
     ppo_clip,
@@ -45,7 +47,10 @@ def test_ppo_clip_hand_computed_token_mean():
     assert metrics["clip_fraction"] == pytest.approx(0.5)
     assert metrics["ratio_mean"] == pytest.approx((1.5 + 0.5 + 0.5 + 1.0) / 4, abs=1e-6)
     kl = 0.5 * (log(1.5) ** 2 + 2 * log(0.5) ** 2) / 4
-    assert metrics["approx_kl"] == pytest.approx(kl, abs=1e-6)
+    assert metrics["approx_kl_k2"] == pytest.approx(kl, abs=1e-6)
+    # k3 = (r - 1) - log r: (0.5 - ln 1.5) + 2 * (-0.5 - ln 0.5) + 0, over 4 tokens (CleanRL's approx_kl)
+    k3 = ((0.5 - log(1.5)) + 2 * (-0.5 - log(0.5))) / 4
+    assert metrics["approx_kl_k3"] == pytest.approx(k3, abs=1e-6)
 
 
 def test_clip_higher_and_dual_clip():
@@ -105,7 +110,6 @@ def test_masked_token_mean_and_registry():
     assert masked_token_mean(x, torch.tensor([[1, 0], [1, 1]])).item() == pytest.approx(3.0)
     assert LOSSES["ppo_clip"] is ppo_clip
     assert LOSSES["vanilla_pg"] is vanilla_pg
-    assert LOSSES.names() == ["ppo_clip", "vanilla_pg"]
     with pytest.raises(KeyError, match="ppo_clip"):
         LOSSES["dpo"]
 
@@ -131,7 +135,7 @@ def test_vanilla_pg_hand_computed_and_ignores_clip_arguments():
     assert loss.item() == pytest.approx(2.0)
     loss.backward()
     torch.testing.assert_close(logp.grad, torch.tensor([[-1.0, -0.5, 0.0]]))
-    assert metrics == {"clip_fraction": 0.0, "approx_kl": 0.0, "ratio_mean": 1.0}
+    assert metrics == {"clip_fraction": 0.0, "approx_kl_k2": 0.0, "approx_kl_k3": 0.0, "ratio_mean": 1.0}
 
 
 def test_kl_penalty_kinds_hand_computed():
@@ -193,33 +197,43 @@ def test_policy_objective_combines_terms_hand_computed():
     ref = torch.tensor([[0.0, 0.0]])
     adv, mask = torch.ones(1, 2), torch.tensor([[1, 0]])
     k3 = 0.5 + LN2 - 1.0
-    total, metrics = policy_objective(logp, old, adv, mask, ref_logp=ref, kl_beta=0.1,
-                                      entropy=torch.tensor(0.5), entropy_coef=0.01)
+    total, metrics = policy_objective(logp, old, adv, mask, LossConfig(kl_beta=0.1, entropy_coef=0.01), ref_logp=ref,
+                                      entropy=torch.tensor(0.5))
     assert total.item() == pytest.approx(-1.0 + 0.1 * k3 - 0.005, abs=1e-6)
     assert metrics["pg_loss"] == pytest.approx(-1.0)
-    assert metrics["kl_loss"] == pytest.approx(k3, abs=1e-6)
+    assert metrics["kl_loss"] == pytest.approx(k3, abs=1e-6) and metrics["kl_ref_k3"] == metrics["kl_loss"]
     assert metrics["entropy"] == pytest.approx(0.5)
     assert metrics["loss"] == pytest.approx(total.item())
-    assert metrics["clip_fraction"] == 0.0 and "approx_kl" in metrics
+    assert metrics["clip_fraction"] == 0.0 and "approx_kl_k3" in metrics
     total.backward()
     torch.testing.assert_close(logp.grad, torch.tensor([[-0.95, 0.0]]))
 
-    plain, plain_metrics = policy_objective(logp, old, adv, mask)  # no ref, no entropy: the policy loss alone
+    plain, plain_metrics = policy_objective(logp, old, adv, mask, LossConfig())  # no ref, no entropy: the policy loss alone
     assert plain.item() == pytest.approx(-1.0) and "kl_loss" not in plain_metrics and "entropy" not in plain_metrics
-    logged_only, m = policy_objective(logp, old, adv, mask, ref_logp=ref)  # KL logged, beta 0: not in the loss
+    logged_only, m = policy_objective(logp, old, adv, mask, LossConfig(), ref_logp=ref)  # KL logged, beta 0: not in the loss
     assert logged_only.item() == pytest.approx(-1.0) and m["kl_loss"] == pytest.approx(k3, abs=1e-6)
-    reinforce, _ = policy_objective(logp, old, adv, mask, loss="vanilla_pg")
+    reinforce, _ = policy_objective(logp, old, adv, mask, LossConfig(name="vanilla_pg"))
     assert reinforce.item() == pytest.approx(-LN2)
 
 
 def test_policy_objective_rejects_missing_inputs():
     x = torch.zeros(1, 2)
     with pytest.raises(ValueError, match="ref_logp"):
-        policy_objective(x, x, x, x, kl_beta=0.01)
+        policy_objective(x, x, x, x, LossConfig(kl_beta=0.01))
     with pytest.raises(ValueError, match="entropy_from_logits"):
-        policy_objective(x, x, x, x, entropy_coef=0.01)
+        policy_objective(x, x, x, x, LossConfig(entropy_coef=0.01))
     with pytest.raises(KeyError, match="ppo_clip"):
-        policy_objective(x, x, x, x, loss="dpo")
+        policy_objective(x, x, x, x, LossConfig(name="dpo"))
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("clip_low", -1.0, "clip_low = -1.0: must be in [0, 1)"), ("clip_low", 1.0, "in [0, 1)"),
+    ("dual_clip", 0.5, "dual_clip = 0.5: must be 0 (off) or > 1"), ("kl_beta", float("nan"), "finite"),
+    ("aggregation", "mean", "one of"), ("kl_kind", "k4", "one of"), ("entropy_coef", -0.1, ">= 0"),
+])
+def test_loss_config_rejects_out_of_range_values(field, value, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        LossConfig(**{field: value})
 
 
 GARBAGE = st.sampled_from([float("nan"), float("inf"), -float("inf"), 1e30])
@@ -245,8 +259,9 @@ def test_masked_tokens_never_get_gradient_through_policy_objective(rows, width, 
     ref = (logp.detach() + 0.3 * torch.randn(rows, width, generator=gen)).masked_fill(off, garbage)
     adv = torch.randn(rows, width, generator=gen).masked_fill(off, garbage)
     entropy = entropy_from_logits(logits, mask, aggregation)
-    total, metrics = policy_objective(logp, old, adv, mask, loss=loss, dual_clip=dual_clip, aggregation=aggregation,
-                                      ref_logp=ref, kl_beta=0.1, kl_kind=kl_kind, entropy=entropy, entropy_coef=0.01)
+    cfg = LossConfig(name=loss, dual_clip=dual_clip or 0.0, aggregation=aggregation, kl_beta=0.1, kl_kind=kl_kind,
+                     entropy_coef=0.01)
+    total, metrics = policy_objective(logp, old, adv, mask, cfg, ref_logp=ref, entropy=entropy)
     total.backward()
     assert torch.isfinite(total) and all(math.isfinite(v) for v in metrics.values())
     assert torch.equal(logits.grad[off], torch.zeros(int(off.sum()), 5))

@@ -17,7 +17,9 @@ import torch
 from models.build import load_policy
 from models.checkpoint import MANIFEST, checkpoint_problem, latest_complete_checkpoint
 from models.reference import apply_lora
-from models.trainer import TrainRow, make_ds_engine, rl_update
+from models.ds_engine import OptimizerConfig, make_ds_engine
+from models.losses import LossConfig
+from models.trainer import TrainRow, UpdateConfig, rl_update
 
 PAD = 0
 SCRIPT = Path(__file__).with_name("_train_script.py")
@@ -39,9 +41,9 @@ def rows_for(tokenizer) -> list[TrainRow]:
 def train(policy_dir, checkpoint_dir, **kwargs):
     """A fresh engine on the saved tiny policy, then rl_update: 3 epochs x 3 mini-batches of 2 rows = 9 updates."""
     model, tokenizer = load_policy(policy_dir)
-    engine = make_ds_engine(model, lr=3e-3, micro_batch_size=2)
-    result = rl_update(engine, rows_for(tokenizer), pad_id=PAD, micro_batch_size=2, epochs=3, seed=3,
-                       checkpoint_dir=checkpoint_dir, checkpoint_every=1, **kwargs)
+    engine = make_ds_engine(model, OptimizerConfig(lr=3e-3), micro_batch_size=2)
+    result = rl_update(engine, rows_for(tokenizer), pad_id=PAD, seed=3, checkpoint_dir=checkpoint_dir, loss=LossConfig(),
+                       update=UpdateConfig(epochs=3, micro_batch_size=2, checkpoint_every=1), **kwargs)
     return model, result
 
 
@@ -92,10 +94,10 @@ def test_checkpoint_of_another_call_is_refused_before_loading(tiny_policy_dir, t
     train(tiny_policy_dir, tmp_path / "ckpt")
     model, tokenizer = load_policy(tiny_policy_dir)
     before = [p.detach().clone() for p in model.parameters()]
-    engine = make_ds_engine(model, lr=change.pop("lr", 3e-3), micro_batch_size=2)
+    engine = make_ds_engine(model, OptimizerConfig(lr=change.pop("lr", 3e-3)), micro_batch_size=2)
     with pytest.raises(ValueError, match="another run"):
-        rl_update(engine, rows_for(tokenizer), pad_id=PAD, micro_batch_size=2, epochs=3, seed=3,
-                  checkpoint_dir=tmp_path / "ckpt", **change)
+        rl_update(engine, rows_for(tokenizer), pad_id=PAD, seed=3, checkpoint_dir=tmp_path / "ckpt",
+                  loss=LossConfig(**change), update=UpdateConfig(epochs=3, micro_batch_size=2, checkpoint_every=1))
     assert all(torch.equal(p, q) for p, q in zip(before, model.parameters()))  # nothing was loaded into it
 
 
@@ -190,9 +192,8 @@ def test_lora_run_resumes_from_adapter_only_checkpoints(tiny_policy_dir, tmp_pat
         model, tokenizer = load_policy(tiny_policy_dir)
         torch.manual_seed(0)                                                   # the LoRA A matrices are random
         lora = apply_lora(model, r=4, alpha=8)
-        engine = make_ds_engine(lora, lr=3e-3, micro_batch_size=2)
-        rl_update(engine, rows_for(tokenizer), pad_id=PAD, micro_batch_size=2, epochs=2, seed=3,
-                  checkpoint_dir=checkpoint_dir, checkpoint_every=1)
+        engine = make_ds_engine(lora, OptimizerConfig(lr=3e-3), micro_batch_size=2)
+        rl_update(engine, rows_for(tokenizer), pad_id=PAD, seed=3, checkpoint_dir=checkpoint_dir, loss=LossConfig(), update=UpdateConfig(epochs=2, micro_batch_size=2, checkpoint_every=1))
         return lora
 
     done = lora_train(tmp_path / "ckpt")

@@ -9,9 +9,10 @@ from collections import defaultdict
 import pytest
 import torch
 
-from models.advantages import ADVANTAGES, AdvantageConfig, StepBatch, compute_grpo_advantages
+from models.advantages import ADVANTAGES, AdvantageConfig, StepBatch
+from models.outcome_advantages import compute_grpo_advantages
 from models.skill_advantages import (
-    SKILL_ADVANTAGES, SkillCreditConfig, SkillStepBatch, compute_d2skill_advantages, compute_skillc_advantages,
+    SKILL_ADVANTAGES, SkillStepBatch, compute_d2skill_advantages, compute_skillc_advantages,
     paired_skill_credit, update_skill_utility,
 )
 
@@ -63,7 +64,7 @@ def test_skillc_hand_computed():
     g = 0.25 / (0.5 + EPS)
     r = 0.5 / (math.sqrt(0.5) + EPS)
     grpo = [g, g, g, -3 * g, r, -r, -g, -g, 3 * g, -g, 0.0, 0.0, 0.0]
-    result = compute_skillc_advantages(batch, SkillCreditConfig(skillc_lambda=2.0))
+    result = compute_skillc_advantages(batch, AdvantageConfig(skillc_lambda=2.0))
     expected = list(grpo)
     expected[2] += 2.0 * 0.5
     assert per_traj(result, batch) == pytest.approx(expected, abs=1e-9)
@@ -100,7 +101,7 @@ def test_no_skill_flags_or_no_pairs_give_grpo_exactly():
         assert bare.metrics["skill_traj_share"] == 0.0 and bare.metrics["skill_paired_group_share"] == 0.0
         everyone = fn(batch._replace(skill_used=torch.ones(14, dtype=torch.bool)), AdvantageConfig())
         torch.testing.assert_close(everyone.row_advantages, grpo.row_advantages, rtol=0, atol=0)
-    off = compute_skillc_advantages(batch, SkillCreditConfig(skillc_lambda=0.0))
+    off = compute_skillc_advantages(batch, AdvantageConfig(skillc_lambda=0.0))
     torch.testing.assert_close(off.row_advantages, grpo.row_advantages, rtol=0, atol=0)
     assert paired_skill_credit(batch._replace(skill_used=torch.zeros(14, dtype=torch.bool))) == {}
 
@@ -154,7 +155,7 @@ def test_vectorized_matches_loop(name):
         trajs = random_trajs(rng)
         lam = rng.choice([0.0, 0.5, 1.0, 3.0])
         batch = make(trajs)
-        result = ADVANTAGES[name](batch, SkillCreditConfig(skillc_lambda=lam))
+        result = ADVANTAGES[name](batch, AdvantageConfig(skillc_lambda=lam))
         assert per_traj(result, batch) == pytest.approx(loop_reference(name, trajs, lam), abs=1e-9)
 
 
@@ -180,7 +181,7 @@ def test_bad_inputs_are_rejected_with_a_message():
     with pytest.raises(ValueError, match="disagree on skill_used"):
         compute_d2skill_advantages(batch._replace(skill_used=mixed), AdvantageConfig())
     with pytest.raises(ValueError, match="skillc_lambda"):
-        SkillCreditConfig(skillc_lambda=-1.0)
+        AdvantageConfig(skillc_lambda=-1.0)
 
 
 def test_registered_dtype_kept_and_empty_batch():

@@ -13,13 +13,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import models.skill_advantages  # noqa: F401  (registers skillc and d2skill, whatever the test import order)
-from models.advantages import (
-    ADVANTAGES, GRPO_EPS, AdvantageConfig, StepBatch, add_process_advantages, broadcast_rows,
-    compute_gigpo_advantages, compute_grpo_advantages,
-)
+from models.advantage_core import GRPO_EPS
+from models.advantages import ADVANTAGES, AdvantageConfig, StepBatch, add_process_advantages, broadcast_rows
+from models.outcome_advantages import compute_grpo_advantages
+from models.step_advantages import compute_gigpo_advantages
 
-NAMES = ["d2skill", "dr_grpo", "gigpo", "graphgpo", "grpo", "reinforce_pp", "reinforce_pp_baseline", "rloo", "skillc",
-         "turn_level"]
+NAMES = ADVANTAGES.names()  # every registered estimator gets the contract tests below, a new one included
 TOKEN_LEVEL = {"reinforce_pp", "reinforce_pp_baseline"}
 SQ2, SQ3 = math.sqrt(2.0), math.sqrt(3.0)
 
@@ -516,8 +515,8 @@ def test_all_masks_empty_and_empty_batch_give_zeros_never_nan(name):
 # Registry, records, validation
 # ---------------------------------------------------------------------------------------------------------------
 
-def test_registry_holds_every_estimator_and_rejects_duplicates_and_unknown_names():
-    assert ADVANTAGES.names() == NAMES
+def test_registry_rejects_duplicates_and_unknown_names():
+    assert {"grpo", "gigpo", "graphgpo", "skillc"} <= set(NAMES)  # the skill estimators are registered on import
     with pytest.raises(ValueError, match="'gigpo' is already registered"):
         ADVANTAGES.register("gigpo")(lambda batch, cfg: None)
     assert ADVANTAGES["gigpo"] is compute_gigpo_advantages  # the failed registration changed nothing
@@ -556,7 +555,7 @@ def test_malformed_batches_and_configs_are_rejected_with_a_fix():
         ADVANTAGES["gigpo"](make_batch(good)._replace(anchors=("s",)), AdvantageConfig())
     with pytest.raises(ValueError, match="response_mask"):
         ADVANTAGES["grpo"](make_batch(good)._replace(response_mask=torch.ones(2, 1)), AdvantageConfig())
-    with pytest.raises(ValueError, match="exact, fuzzy"):
+    with pytest.raises(ValueError, match=r"\['exact', 'fuzzy'\]"):
         AdvantageConfig(anchor_mode="hash")
     with pytest.raises(ValueError, match="gamma"):
         AdvantageConfig(gamma=1.5)

@@ -12,23 +12,17 @@ import torch
 from models.build import load_policy, save_policy
 from models import trainer
 from models.layouts import RowSpec, collate_rows
+from models.aux_losses import AuxConfig
 from models.losses import AGGREGATIONS, entropy_from_logits
 from models.reference import ReferencePolicy, apply_lora
-from models.trainer import (
-    LrSchedule,
-    TrainRow,
-    build_ds_config,
-    collate,
-    ensure_single_process_env,
-    full_weights,
-    load_ds_config,
-    make_ds_engine,
-    pack_micro_batches,
-    resolve_precision,
-    rl_update,
-    sft_update,
-    token_logprobs,
-)
+from models import forward
+from models.batching import TrainRow, UpdateConfig, collate, pack_micro_batches
+from models.ds_engine import (LrSchedule, OptimizerConfig, build_ds_config, ensure_single_process_env, full_weights,
+                              load_ds_config, make_ds_engine, resolve_precision)
+from models.forward import token_logprobs
+from models.losses import LossConfig
+from models.sft import sft_update
+from models.trainer import rl_update
 
 PAD = 0
 
@@ -108,14 +102,14 @@ def response_logprob(model, row: TrainRow) -> float:
 def test_rl_update_changes_parameters_and_reports_metrics(policy):
     model, tokenizer = policy
     before = [p.detach().clone() for p in model.parameters()]
-    engine = make_ds_engine(model, lr=1e-3, micro_batch_size=2)
+    engine = make_ds_engine(model, OptimizerConfig(lr=1e-3), micro_batch_size=2)
     rows = make_rows(tokenizer)
     rows[0] = rows[0]._replace(old_logprobs=[-1.0] * len(rows[0].response_ids))
-    metrics = rl_update(engine, rows, pad_id=PAD, micro_batch_size=2, epochs=2, clip_low=0.2, clip_high=0.28)
+    metrics = rl_update(engine, rows, pad_id=PAD, loss=LossConfig(clip_low=0.2, clip_high=0.28), update=UpdateConfig(epochs=2, micro_batch_size=2))
     assert engine.module is model
     assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
     assert metrics["updates"] == 4.0
-    for key in ("loss", "clip_fraction", "approx_kl", "ratio_mean", "entropy", "grad_norm", "advantage_mean",
+    for key in ("loss", "clip_fraction", "approx_kl_k3", "ratio_mean", "entropy", "grad_norm", "advantage_mean",
                 "advantage_std", "response_length", "tokens_per_s", "logp_mismatch_mean", "logp_mismatch_max"):
         assert key in metrics and torch.isfinite(torch.tensor(metrics[key])), key
     assert metrics["grad_norm"] > 0
@@ -128,10 +122,9 @@ def test_positive_advantage_response_becomes_more_likely(policy):
     rows = make_rows(tokenizer)
     good, bad = rows[0], rows[1]
     good_before, bad_before = response_logprob(model, good), response_logprob(model, bad)
-    engine = make_ds_engine(model, lr=3e-3, micro_batch_size=4)
+    engine = make_ds_engine(model, OptimizerConfig(lr=3e-3), micro_batch_size=4)
     for step in range(4):
-        rl_update(engine, rows, pad_id=PAD, micro_batch_size=4, clip_low=0.2, clip_high=0.2, seed=step,
-                  aggregation="seq-mean-token-mean")
+        rl_update(engine, rows, pad_id=PAD, seed=step, loss=LossConfig(clip_low=0.2, clip_high=0.2, aggregation="seq-mean-token-mean"), update=UpdateConfig(micro_batch_size=4))
     assert response_logprob(model, good) > good_before + 0.1
     assert response_logprob(model, bad) < bad_before - 0.1
 
@@ -141,8 +134,8 @@ def test_zero_stages_train_report_grad_norm_and_save(policy, zero_stage, tmp_pat
     model, tokenizer = policy
     rows = make_rows(tokenizer)
     before = response_logprob(model, rows[0])
-    engine = make_ds_engine(model, lr=3e-3, zero_stage=zero_stage, micro_batch_size=2, grad_accum=2)
-    metrics = rl_update(engine, rows, pad_id=PAD, micro_batch_size=2, epochs=2)
+    engine = make_ds_engine(model, OptimizerConfig(lr=3e-3, zero_stage=zero_stage), micro_batch_size=2, grad_accum=2)
+    metrics = rl_update(engine, rows, pad_id=PAD, loss=LossConfig(), update=UpdateConfig(epochs=2, micro_batch_size=2))
     assert metrics["updates"] == 2.0  # 4 micro-batches, 2 per optimizer step
     assert metrics["grad_norm"] > 0
     with torch.no_grad():
@@ -168,8 +161,8 @@ def test_sft_update_lowers_loss_on_a_fixed_set(policy):
         return float(-(lp * batch["response_mask"]).sum() / batch["response_mask"].sum())
 
     before = eval_loss()
-    engine = make_ds_engine(model, lr=3e-3, micro_batch_size=3)
-    metrics = sft_update(engine, pairs, pad_id=PAD, micro_batch_size=3, epochs=5, progress=False)
+    engine = make_ds_engine(model, OptimizerConfig(lr=3e-3), micro_batch_size=3)
+    metrics = sft_update(engine, pairs, pad_id=PAD, progress=False, update=UpdateConfig(epochs=5, micro_batch_size=3))
     assert eval_loss() < before - 0.5
     assert metrics["updates"] == 10.0
     assert metrics["loss_last"] < metrics["loss_first"]
@@ -215,10 +208,11 @@ def test_token_budget_split_gives_the_update_of_one_big_batch(tiny_policy_dir, t
     updates, seen = {}, {}
     for name, budget in (("whole", None), ("split", longest + 3)):
         policy = copy.deepcopy(model)
-        engine = make_ds_engine(policy, lr=1.0, config_path=sgd_config(tmp_path), grad_clip=0.0, micro_batch_size=8)
+        engine = make_ds_engine(policy, OptimizerConfig(lr=1.0, grad_clip=0.0), config_path=sgd_config(tmp_path), micro_batch_size=8)
         log = []
-        rl_update(engine, rows, pad_id=PAD, micro_batch_size=8, mini_batch_size=8, token_budget=budget,
-                  aggregation=aggregation, on_update=lambda step, m: log.append(m))
+        rl_update(engine, rows, pad_id=PAD, loss=LossConfig(aggregation=aggregation),
+                  update=UpdateConfig(micro_batch_size=8, mini_batch_size=8, token_budget=budget),
+                  on_update=lambda step, m: log.append(m))
         updates[name] = [(p - q).detach() for p, q in zip(policy.parameters(), model.parameters())]
         seen[name] = log[0]
     assert seen["whole"]["micro_batches"] == 1 and seen["split"]["micro_batches"] >= 4
@@ -232,16 +226,17 @@ def test_token_budget_split_gives_the_update_of_one_big_batch(tiny_policy_dir, t
 def test_on_update_reports_every_optimizer_step(policy):
     model, tokenizer = policy
     rows = varied_rows(tokenizer)
-    engine = make_ds_engine(model, lr=1e-3, micro_batch_size=2, grad_accum=2)
+    engine = make_ds_engine(model, OptimizerConfig(lr=1e-3), micro_batch_size=2, grad_accum=2)
     calls = []
-    result = rl_update(engine, rows, pad_id=PAD, micro_batch_size=2, epochs=2, token_budget=40,
+    result = rl_update(engine, rows, pad_id=PAD, loss=LossConfig(),
+                       update=UpdateConfig(epochs=2, micro_batch_size=2, token_budget=40),
                        on_update=lambda step, m: calls.append((step, m)))
     assert [step for step, _ in calls] == [1, 2, 3, 4]  # 8 rows / mini-batch of 2 x 2 = 2 steps per epoch
     for _, m in calls:
-        for key in ("loss", "pg_loss", "clip_fraction", "approx_kl", "entropy", "grad_norm", "lr", "advantage_mean",
+        for key in ("loss", "pg_loss", "clip_fraction", "approx_kl_k3", "entropy", "grad_norm", "lr", "advantage_mean",
                     "advantage_std", "response_length", "tokens_per_s", "micro_batches"):
             assert math.isfinite(m[key]), key
-    assert calls[0][1]["approx_kl"] == pytest.approx(0.0, abs=1e-10)  # old log-probs are the current weights'
+    assert calls[0][1]["approx_kl_k3"] == pytest.approx(0.0, abs=1e-10)  # old log-probs are the current weights'
     assert result["updates"] == 4.0
     assert result["loss"] == pytest.approx(sum(m["loss"] for _, m in calls) / 4)
 
@@ -258,9 +253,9 @@ def test_lr_schedule_warmup_then_cosine():
 
 def test_engine_steps_the_lr_schedule(policy):
     model, tokenizer = policy
-    engine = make_ds_engine(model, lr=1e-2, micro_batch_size=2, lr_schedule="cosine", warmup_steps=2, total_steps=4)
+    engine = make_ds_engine(model, OptimizerConfig(lr=1e-2, lr_schedule="cosine", warmup_steps=2), micro_batch_size=2, total_steps=4)
     lrs = []
-    rl_update(engine, varied_rows(tokenizer), pad_id=PAD, micro_batch_size=2,
+    rl_update(engine, varied_rows(tokenizer), pad_id=PAD, loss=LossConfig(), update=UpdateConfig(micro_batch_size=2),
               on_update=lambda step, metrics: lrs.append(metrics["lr"]))
     assert lrs == pytest.approx([5e-3, 1e-2, 1e-2, 5e-3], abs=1e-12)  # the lr each update used
     assert engine.lr_scheduler.state_dict()["last_epoch"] == 4
@@ -278,14 +273,19 @@ def test_precision_is_fp32_on_cpu_and_bf16_on_gpu(monkeypatch):
 
 def test_rl_update_rejects_bad_arguments(policy):
     model, tokenizer = policy
-    engine = make_ds_engine(model, lr=1e-3, micro_batch_size=2)
+    engine = make_ds_engine(model, OptimizerConfig(lr=1e-3), micro_batch_size=2)
     rows = varied_rows(tokenizer)
     with pytest.raises(ValueError, match="reference"):
-        rl_update(engine, rows, pad_id=PAD, micro_batch_size=2, kl_beta=0.01)
-    with pytest.raises(ValueError, match="aggregation"):
-        rl_update(engine, rows, pad_id=PAD, micro_batch_size=2, aggregation="mean")
-    with pytest.raises(ValueError, match="token_budget"):
-        rl_update(engine, rows, pad_id=PAD, micro_batch_size=2, token_budget=0)
+        rl_update(engine, rows, pad_id=PAD, loss=LossConfig(kl_beta=0.01), update=UpdateConfig(micro_batch_size=2))
+    with pytest.raises(ValueError, match="aggregation = 'mean'"):
+        LossConfig(aggregation="mean")
+    with pytest.raises(ValueError, match="token_budget = -1: must be >= 0"):
+        UpdateConfig(micro_batch_size=2, token_budget=-1)
+    with pytest.raises(ValueError, match="micro_batch_size = 0: must be > 0"):
+        UpdateConfig(micro_batch_size=0)
+    with pytest.raises(ValueError, match="aux losses"):
+        rl_update(engine, rows, pad_id=PAD, loss=LossConfig(), update=UpdateConfig(micro_batch_size=2),
+                  aux=AuxConfig(names=("echo",)))
 
 
 # --- reference policy and LoRA --------------------------------------------------------------------------------------
@@ -298,10 +298,10 @@ def test_reference_is_the_frozen_start_policy_and_kl_grows_from_zero(policy):
         start = token_logprobs(model, batch)                                 # [B, L]
     reference = ReferencePolicy(model)
     assert not any(p.requires_grad for p in reference.model.parameters())
-    engine = make_ds_engine(model, lr=3e-3, micro_batch_size=4)
+    engine = make_ds_engine(model, OptimizerConfig(lr=3e-3), micro_batch_size=4)
     log = []
-    rl_update(engine, rows, pad_id=PAD, micro_batch_size=4, epochs=3, reference=reference, kl_beta=0.1,
-              on_update=lambda s, m: log.append(m))
+    rl_update(engine, rows, pad_id=PAD, reference=reference, loss=LossConfig(kl_beta=0.1),
+              update=UpdateConfig(epochs=3, micro_batch_size=4), on_update=lambda s, m: log.append(m))
     assert log[0]["kl_loss"] == pytest.approx(0.0, abs=1e-9)  # policy == reference before the first step
     assert log[-1]["kl_loss"] > 1e-6
     mask = batch["response_mask"].bool()
@@ -320,8 +320,8 @@ def test_lora_trains_adapters_only_and_saves_a_plain_merged_model(policy, tmp_pa
     lora = apply_lora(model, r=4, alpha=8)
     reference = ReferencePolicy(lora)
     assert reference.shares_policy
-    engine = make_ds_engine(lora, lr=1e-2, micro_batch_size=4)
-    rl_update(engine, rows, pad_id=PAD, micro_batch_size=4, epochs=2, reference=reference, kl_beta=0.01)
+    engine = make_ds_engine(lora, OptimizerConfig(lr=1e-2), micro_batch_size=4)
+    rl_update(engine, rows, pad_id=PAD, reference=reference, loss=LossConfig(kl_beta=0.01), update=UpdateConfig(epochs=2, micro_batch_size=4))
     named = dict(lora.named_parameters())
     changed = {n for n, p in named.items() if "lora_" in n and not torch.equal(p, torch.zeros_like(p))
                and "lora_B" in n}
@@ -378,19 +378,19 @@ def test_lm_head_on_needed_positions_matches_the_full_forward(policy, monkeypatc
     engine = ModuleAsEngine(apply_lora(model) if lora else model)  # autograd.grad, not engine.backward, below
     part = collate_rows(spec_rows(), PAD)
     part["ref_logprobs"] = part["old_logprobs"] - 0.1
-    objective = dict(loss="ppo_clip", clip_low=0.2, clip_high=0.2, dual_clip=None, aggregation="seq-mean-token-mean",
-                     kl_beta=0.1, kl_kind="k3", entropy_coef=0.01)
-    assert trainer._splits_lm_head(engine.module)
+    objective = LossConfig(aggregation="seq-mean-token-mean", kl_beta=0.1, entropy_coef=0.01)
+    assert forward.splits_lm_head(engine.module)
     results = {}
     for name, splits in (("split", True), ("full", False)):
-        monkeypatch.setattr(trainer, "_splits_lm_head", lambda module, splits=splits: splits)
-        loss, metrics = trainer._micro_objective(engine, part, objective, ("echo", "seal"), on_policy=False)
+        monkeypatch.setattr(forward, "splits_lm_head", lambda module, splits=splits: splits)
+        loss, metrics = trainer._micro_objective(engine, part, objective, AuxConfig(names=("echo", "seal")),
+                                                 on_policy=False)
         grads = torch.autograd.grad(loss, [p for p in engine.module.parameters() if p.requires_grad])
         results[name] = (loss.detach(), metrics, grads)
     (loss, metrics, grads), (full_loss, full_metrics, full_grads) = results["split"], results["full"]
     torch.testing.assert_close(loss, full_loss, atol=1e-6, rtol=0)
     assert metrics.keys() == full_metrics.keys()
-    for key in ("entropy", "kl_loss", "pg_loss", "approx_kl", "echo_loss", "seal_loss"):
+    for key in ("entropy", "kl_loss", "pg_loss", "approx_kl_k3", "echo_loss", "seal_loss"):
         assert metrics[key] == pytest.approx(full_metrics[key], abs=1e-6), key
     for got, expected in zip(grads, full_grads):
         torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-5)
@@ -402,7 +402,7 @@ def test_entropy_at_picked_positions_equals_entropy_from_logits(aggregation):
     logits[0, 1, 2] = -math.inf
     mask = torch.tensor([[0, 1, 1, 0, 0], [1, 1, 1, 1, 0], [0, 0, 0, 0, 0]], dtype=torch.float32)
     expected = entropy_from_logits(logits, mask, aggregation)
-    got = trainer._entropy_at(logits[mask.bool()], mask, aggregation)
+    got = forward.entropy_at(logits[mask.bool()], mask, aggregation)
     torch.testing.assert_close(got, expected, atol=1e-6, rtol=0)
 
 
@@ -419,15 +419,15 @@ def test_one_step_update_reuses_the_training_logprobs(tiny_policy_dir, tmp_path,
     for name, reuse in (("reuse", True), ("recompute", False)):
         monkeypatch.setattr(trainer, "_reuses_training_logprobs", lambda e, n, reuse=reuse: reuse and e == n == 1)
         policy = copy.deepcopy(model)
-        engine = make_ds_engine(policy, lr=1.0, config_path=sgd_config(tmp_path), grad_clip=0.0, micro_batch_size=3)
+        engine = make_ds_engine(policy, OptimizerConfig(lr=1.0, grad_clip=0.0), config_path=sgd_config(tmp_path), micro_batch_size=3)
         calls = []
         monkeypatch.setattr(trainer, "token_logprobs", lambda *a, calls=calls: calls.append(1) or token_logprobs(*a))
-        results[name] = rl_update(engine, rows, pad_id=PAD, micro_batch_size=3, mini_batch_size=len(rows))
+        results[name] = rl_update(engine, rows, pad_id=PAD, loss=LossConfig(), update=UpdateConfig(micro_batch_size=3, mini_batch_size=len(rows)))
         passes[name] = len(calls)
         updates[name] = [(p - q).detach() for p, q in zip(policy.parameters(), model.parameters())]
     assert passes == {"reuse": 0, "recompute": math.ceil(len(rows) / 3)}
     assert results["reuse"]["ratio_mean"] == pytest.approx(1.0, abs=1e-12)   # exactly 1 per token
-    assert results["reuse"]["approx_kl"] == 0.0 and results["reuse"]["clip_fraction"] == 0.0
+    assert results["reuse"]["approx_kl_k3"] == 0.0 and results["reuse"]["clip_fraction"] == 0.0
     for key in ("logp_mismatch_mean", "logp_mismatch_max", "loss", "entropy", "grad_norm"):
         assert results["reuse"][key] == pytest.approx(results["recompute"][key], abs=1e-5), key
     assert results["reuse"]["logp_mismatch_max"] == pytest.approx(0.01 * len(rows), abs=1e-4)
@@ -461,23 +461,22 @@ def test_shared_prompt_prefix_path_matches_the_plain_forward(policy, monkeypatch
     rows = shared_prompt_rows()
     part = collate(rows, PAD)
     part["ref_logprobs"] = part["old_logprobs"] - 0.1
-    plan = trainer._shared_prefix_plan(engine, part)
+    plan = forward.shared_prefix_plan(engine, part)
     assert plan is not None and plan.prefix_ids.shape[0] == 3 and plan.tail_ids.shape == (len(rows), 5)
     mask = part["response_mask"].bool()
-    fast_logits = trainer._shared_prefix_logits(engine, part, plan)
-    plain_logits, _ = trainer._logits_at(engine, part, mask, want_hidden=False)
+    fast_logits = forward.shared_prefix_logits(engine, part, plan)
+    plain_logits, _ = forward.logits_at(engine, part, mask, want_hidden=False)
     torch.testing.assert_close(fast_logits, plain_logits, atol=1e-5, rtol=0)
-    objective = dict(loss="ppo_clip", clip_low=0.2, clip_high=0.2, dual_clip=None, aggregation=aggregation,
-                     kl_beta=0.1, kl_kind="k3", entropy_coef=0.01)
+    objective = LossConfig(aggregation=aggregation, kl_beta=0.1, entropy_coef=0.01)
     results = {}
-    for name, planner in (("fast", trainer._shared_prefix_plan), ("plain", lambda engine, part: None)):
-        monkeypatch.setattr(trainer, "_shared_prefix_plan", planner)
-        loss, metrics = trainer._micro_objective(engine, part, objective, on_policy=False)
+    for name, planner in (("fast", forward.shared_prefix_plan), ("plain", lambda engine, part: None)):
+        monkeypatch.setattr(trainer, "shared_prefix_plan", planner)
+        loss, metrics = trainer._micro_objective(engine, part, objective, AuxConfig(), on_policy=False)
         grads = torch.autograd.grad(loss, list(model.parameters()))
         results[name] = (loss.detach(), metrics, grads)
     (loss, metrics, grads), (plain_loss, plain_metrics, plain_grads) = results["fast"], results["plain"]
     torch.testing.assert_close(loss, plain_loss, atol=1e-5, rtol=0)
-    for key in ("entropy", "kl_loss", "pg_loss", "approx_kl", "ratio_mean"):
+    for key in ("entropy", "kl_loss", "pg_loss", "approx_kl_k3", "ratio_mean"):
         assert metrics[key] == pytest.approx(plain_metrics[key], abs=1e-5), key
     for got, expected in zip(grads, plain_grads):
         torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4)
@@ -487,13 +486,13 @@ def test_shared_prompt_prefix_path_falls_back_when_unusual(policy):
     model, _ = policy
     engine = StagedModuleAsEngine(model)
     unique = collate([TrainRow([5, 6], [7], None, 0.0), TrainRow([8, 9], [7, 3], None, 0.0)], PAD)
-    assert trainer._shared_prefix_plan(engine, unique) is None                # nothing shared
-    assert trainer._shared_prefix_plan(engine, collate_rows(spec_rows(), PAD)) is None  # RowSpec layout
-    assert trainer._shared_prefix_plan(StagedModuleAsEngine(apply_lora(copy.deepcopy(model))),
-                                       collate(shared_prompt_rows(), PAD)) is None      # peft
+    assert forward.shared_prefix_plan(engine, unique) is None                # nothing shared
+    assert forward.shared_prefix_plan(engine, collate_rows(spec_rows(), PAD)) is None  # RowSpec layout
+    assert forward.shared_prefix_plan(StagedModuleAsEngine(apply_lora(copy.deepcopy(model))),
+                                      collate(shared_prompt_rows(), PAD)) is None      # peft
     zero3 = StagedModuleAsEngine(model)
     zero3.zero_optimization_stage = lambda: 3
-    assert trainer._shared_prefix_plan(zero3, collate(shared_prompt_rows(), PAD)) is None
+    assert forward.shared_prefix_plan(zero3, collate(shared_prompt_rows(), PAD)) is None
 
 
 def test_rl_update_with_shared_prompts_matches_the_plain_forward(tiny_policy_dir, tmp_path, monkeypatch):
@@ -503,14 +502,16 @@ def test_rl_update_with_shared_prompts_matches_the_plain_forward(tiny_policy_dir
     updates, results, planned = {}, {}, {}
     for name, fast in (("fast", True), ("plain", False)):
         plans = []
-        real_plan = trainer._shared_prefix_plan
-        monkeypatch.setattr(trainer, "_shared_prefix_plan",
+        real_plan = forward.shared_prefix_plan
+        monkeypatch.setattr(trainer, "shared_prefix_plan",
                             lambda e, p, fast=fast, plans=plans: plans.append(1) or (real_plan(e, p) if fast else None))
         policy = copy.deepcopy(model)
-        engine = make_ds_engine(policy, lr=1.0, config_path=sgd_config(tmp_path), grad_clip=0.0, micro_batch_size=4)
-        results[name] = rl_update(engine, rows, pad_id=PAD, micro_batch_size=4, mini_batch_size=len(rows))
+        engine = make_ds_engine(policy, OptimizerConfig(lr=1.0, grad_clip=0.0), config_path=sgd_config(tmp_path),
+                                micro_batch_size=4)
+        results[name] = rl_update(engine, rows, pad_id=PAD, loss=LossConfig(),
+                                  update=UpdateConfig(micro_batch_size=4, mini_batch_size=len(rows)))
         planned[name] = len(plans)
-        monkeypatch.setattr(trainer, "_shared_prefix_plan", real_plan)
+        monkeypatch.setattr(trainer, "shared_prefix_plan", real_plan)
         updates[name] = [(p - q).detach() for p, q in zip(policy.parameters(), model.parameters())]
     assert planned["fast"] == 2
     for key in ("loss", "entropy", "grad_norm", "logp_mismatch_mean"):

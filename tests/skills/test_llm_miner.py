@@ -21,15 +21,12 @@ from datapool.gateway.config import GatewayConfig
 from datapool.gateway.upstreams import LocalEngineUpstream
 from datapool.store import DataPool
 from tests.datapool.gateway.gateway_helpers import ThreadedServer
-from models.build import build_model, load_policy
+from models.build import TinyModelConfig, build_model, load_policy
 from models.hf_engine import TransformersEngine
 from skills.bank import Skill, skill_from_text, skill_to_text
 from skills.llm_miner import (
     MINE_TEMPLATE,
-    ChatEndpointWriter,
-    EngineWriter,
     SkillAnswerError,
-    SkillWriterError,
     TrajectoryText,
     load_template,
     mine_llm_skills,
@@ -38,6 +35,7 @@ from skills.llm_miner import (
     render_trajectories,
     revise_skill,
 )
+from skills.llm_writers import ChatEndpointWriter, EngineWriter, SkillWriterError
 
 KEY_ENV = "ARLFLOW_TEST_MINER_KEY"
 KEY = "sk-miner-test"
@@ -128,8 +126,7 @@ def long_context_engine(tiny_policy_dir):
     """(engine, tokenizer): the tiny policy's tokenizer and architecture with room for a miner prompt (2048
     positions; the session's tiny policy has 256, fewer than the template alone)."""
     _, tokenizer = load_policy(tiny_policy_dir)
-    model = build_model("qwen2", tokenizer, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
-                        intermediate_size=128, max_position_embeddings=2048, seed=0)
+    model = build_model(tokenizer, TinyModelConfig(arch="qwen2", hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128, max_position_embeddings=2048), seed=0)
     return TransformersEngine(model, tokenizer, policy_version="tiny-long-v0"), tokenizer
 
 

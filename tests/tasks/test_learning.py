@@ -14,9 +14,9 @@ from tasks.layout import Layout
 TINY = {
     "pipeline": {"rounds": 3, "seed": 1},
     "bootstrap": {"train_scenarios": 256, "heldout_scenarios": 64, "tokenizer_corpus_episodes": 100},
-    "warmstart": {"demo_scenarios": 256, "epochs": 4, "micro_batch_size": 64, "skill_demos": 0.0},  # RL only
+    "warmstart": {"demo_scenarios": 256, "update": {"epochs": 4, "micro_batch_size": 64}, "skill_demos": 0.0},  # RL only
     "rollout": {"scenarios_per_round": 64, "group_size": 8, "use_skills": False},
-    "train": {"lr": 0.0005, "epochs": 2, "micro_batch_size": 128},
+    "train": {"optimizer": {"lr": 0.0005}, "update": {"epochs": 2, "micro_batch_size": 128}},
 }
 
 
@@ -45,7 +45,8 @@ def test_heldout_success_rises_under_rl(tmp_path, advantage):
 @pytest.mark.slow
 def test_concatenated_layout_with_echo_and_seal_trains(tmp_path):
     raw = {**TINY, "pipeline": {"rounds": 1, "seed": 1},
-           "train": {**TINY["train"], "layout": "concatenated", "aux": ["echo", "seal"], "advantage": "gigpo"}}
+           "train": {**TINY["train"], "layout": "concatenated", "aux": {"names": ["echo", "seal"]},
+                     "advantage": "gigpo"}}
     layout, params = run_rounds(tmp_path, raw)
     import json
     metrics = json.loads(layout.round_metrics(1, "train").read_text())

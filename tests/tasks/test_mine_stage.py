@@ -9,7 +9,7 @@ import pytest
 from datapool.records import StepRecord, TrajectoryRecord
 from datapool.store import DataPool
 from skills.bank import load_bank
-from skills.lifecycle import load_round_bank
+from skills.lifecycle import RoundBank, load_round_bank, save_round_bank
 from tasks import mine
 from tasks.config import ParamsError, parse_params
 from tasks.layout import Layout
@@ -37,6 +37,7 @@ def planted_round(layout: Layout) -> None:
     with DataPool(layout.pool_url) as pool:
         pool.add_trajectories(trajectories)
         pool.export_round(1, layout.steps(1))
+    save_round_bank(layout.skills(0), RoundBank(), [], header="round 0: none")  # the warm start always writes one
 
 
 def test_mdl_method_mines_the_planted_macro_with_slots(tmp_path: Path):

@@ -10,7 +10,7 @@ from tasks.config import parse_params
 from tasks.layout import Layout
 
 SMALL = {"bootstrap": {"train_scenarios": 40, "heldout_scenarios": 4, "tokenizer_corpus_episodes": 20,
-                       "hidden_size": 32, "intermediate_size": 64},
+                       "tiny": {"hidden_size": 32, "intermediate_size": 64}},
          "warmstart": {"enabled": False},
          "rollout": {"scenarios_per_round": 4, "group_size": 3, "use_skills": False}}
 

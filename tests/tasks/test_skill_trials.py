@@ -130,7 +130,7 @@ def empty_frame() -> pd.DataFrame:
 
 
 def test_mine_updates_versions_retires_the_loser_and_prunes_useless_and_idle_skills():
-    params = parse_params({"skills": {"versions_min_uses": 4, "prune_min_utility": -0.05, "prune_max_idle_rounds": 1}})
+    params = parse_params({"skills": {"versions": {"min_uses": 4}, "prune": {"min_utility": -0.05, "max_idle_rounds": 1}}})
     v2 = replace(WALK, version=2, procedure="Go right, then down.")
     idle = replace(LOOK, name="idle", stats={"last_used_round": 1})
     useless = replace(LOOK, name="useless", stats={"utility": 0.0, "last_used_round": 4})
@@ -212,3 +212,34 @@ def test_a_corrupt_or_foreign_trials_table_is_refused_with_what_to_do(tmp_path):
         read_trials(bad)
     write_trials(trial_frame([], None), bad)
     assert read_trials(bad).empty
+
+
+def test_the_trials_table_reads_the_skill_trace_from_the_steps(tmp_path):
+    """trial_frame needs no side channel: the plain prompts and macro sub-steps are StepRecord fields; the
+    trajectory's metadata is left as it was (nothing popped), and the table round-trips through Parquet."""
+    from datapool.records import StepRecord, TrajectoryRecord
+    from tasks.skill_trials import read_trials, trial_frame, write_trials
+
+    program = SkillProgram(RoundBank(live=[WALK], candidates=[LOOK]), k=1, alpha=0.5, floor=0.0)
+    program.plan(SCENARIOS[:1], 2, seed=1)
+    plan = program.plans[SCENARIOS[0].scenario_id]
+    aug = plan.arms.index("aug")
+
+    def step(k: int, **trace) -> StepRecord:
+        return StepRecord(trajectory_id="t", group_id="g", step_index=k, prompt_ids=[1, 2], response_ids=[3],
+                          logprobs=[-0.5], prompt_text="p", observation="o", action="a", response_text=" a",
+                          reward=0.0, anchor="", policy_version="v", skill_ids=["walk", "look-around"], **trace)
+
+    metadata = {"scenario_id": SCENARIOS[0].scenario_id, "episode_index": aug}
+    traj = TrajectoryRecord(trajectory_id="t", group_id="g", scenario="{}", env="frozenlake", split="train",
+                            round=1, policy_version="v", status="complete", episode_return=1.0, won=True,
+                            num_steps=2, response_tokens=2, metadata=dict(metadata), steps=[
+                                step(0, plain_prompt_ids=[2]),
+                                step(1, plain_prompt_ids=[5], macro_prompt_ids=[[5], [5, 6]],
+                                     macro_action_ids=[[7, 0], [8, 0]])])
+    trials = trial_frame([traj], program)
+    assert traj.metadata == metadata
+    assert trials["arm"].tolist() == ["aug", "aug"] and trials["candidate"].tolist() == ["look-around"] * 2
+    assert "plain_prompt_ids" not in trials.columns  # SIRI reads the trace from the steps themselves, one copy
+    back = read_trials(write_trials(trials, tmp_path / "trials.parquet"))
+    assert back["arm"].tolist() == ["aug", "aug"] and back["skill_ids"].map(list).tolist() == [["walk", "look-around"]] * 2

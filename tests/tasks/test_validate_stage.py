@@ -1,4 +1,4 @@
-"""The validate stage: a failing suite fails the stage with a readable report and writes no validated data."""
+"""The validate stage: a failing suite fails the stage with a readable report and leaves its outputs as they were."""
 import math
 from pathlib import Path
 
@@ -59,7 +59,8 @@ def test_validate_failure_reports_expectation_count_and_example(tmp_path: Path):
     assert "expect_column_values_to_be_between" in message and "reward" in message
     assert "1" in message and "g0|0" in message  # count and an example row
     assert not layout.validated(1).exists()
-    assert layout.round_metrics(1, "validate_report").exists()
+    assert not layout.round_metrics(1, "validate_report").exists()  # outputs only on success
+    assert "failed.json" in message and layout.round_metrics(1, "validate_report.failed").exists()
 
 
 def test_validate_rejects_incomplete_groups(tmp_path: Path):

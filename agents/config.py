@@ -1,0 +1,31 @@
+"""The agent harness's config (params.yaml ``harness``): how prompts are built from an episode's history and how
+env steps are run. Every stage that plays episodes (warm-start demos, rollout, evaluation, transfer) uses it, so
+prompts look the same everywhere."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from agents.context import CONTEXT_MANAGERS
+from agents.templates import TOOL_FORMATS
+from models.checks import check_choice, check_config
+
+
+@dataclass(frozen=True)
+class HarnessConfig:
+    """params.yaml ``harness``: prompt building and env stepping, shared by every stage that plays episodes."""
+
+    context: str = field(default="window", metadata={"registry": CONTEXT_MANAGERS})
+    """Context manager (agents/context.py): full, window (last history_turns turns) or fold (HIPIF subgoal folding)."""
+    history_turns: int = 0
+    """Earlier (state, action) turns kept in the prompt (window context manager); 0 = current state only."""
+    process_alpha: float = 0.1
+    """fold: process reward +-alpha on a step that closes a subgoal, by the env's subgoal progress."""
+    tool_format: str = "text"
+    """How warm-start demos write tool envs' actions: text (the env's grammar, search[q]) or openai (JSON tool
+    calls). The rollout parser accepts both."""
+    step_timeout_s: float = 10.0
+    """Seconds an env step may take before its episode fails (recorded with the reason)."""
+
+    def __post_init__(self) -> None:
+        check_config(self, history_turns="non_negative", process_alpha="non_negative", step_timeout_s="positive")
+        check_choice(self, "tool_format", TOOL_FORMATS)
