@@ -31,4 +31,4 @@ test-fast: install
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/pytest -q -m "not slow"
 
 clean-results:
-	rm -rf data artifacts metrics mlflow.db mlartifacts dvc.lock .prefect
+	rm -rf data artifacts metrics mlflow.db mlartifacts mlruns dvc.lock .prefect .arlflow

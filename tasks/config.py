@@ -28,6 +28,41 @@ class ParamsError(ValueError):
     """params.yaml is malformed: the message says which key and what is valid."""
 
 
+MOVED_KEYS: dict[str, str] = {
+    **{f"bootstrap.{k}": f"bootstrap.tiny.{k}" for k in ("arch", "hidden_size", "num_layers", "num_heads",
+                                                          "num_kv_heads", "intermediate_size",
+                                                          "max_position_embeddings")},
+    **{f"warmstart.{k}": f"warmstart.update.{k}" for k in ("epochs", "micro_batch_size")}, "warmstart.lr":
+        "warmstart.optimizer.lr",
+    **{f"rollout.{k}": f"rollout.sampling.{k}" for k in ("temperature", "top_p", "max_new_tokens")},
+    **{f"rollout.{k}": f"harness.{k}" for k in ("context", "history_turns", "process_alpha", "tool_format",
+                                                "step_timeout_s")},
+    **{f"train.{k}": f"train.loss.{k}" for k in ("clip_low", "clip_high", "dual_clip", "aggregation", "kl_beta",
+                                                 "kl_kind", "entropy_coef")},
+    **{f"train.{k}": f"train.advantage.{k}" for k in ("gamma", "omega", "process_weight", "anchor_mode")},
+    **{f"train.{k}": f"train.update.{k}" for k in ("epochs", "micro_batch_size", "mini_batch_size", "token_budget",
+                                                   "checkpoint_every")},
+    **{f"train.{k}": f"train.optimizer.{k}" for k in ("lr", "zero_stage")},
+    "train.echo_weight": "train.aux.echo_weight", "train.seal_weight": "train.aux.seal_weight",
+    "train.lora_r": "train.lora.r", "train.internalize_coef": "train.internalize.coef",
+    "train.internalize_w_max": "train.internalize.w_max",
+    "train.overlong_max_tokens": "train.filters.overlong_max_tokens",
+    "train.overlong_buffer_tokens": "train.filters.overlong_buffer_tokens",
+    "evaluate.temperature": "evaluate.sampling.temperature", "evaluate.skills_k": "skills.retrieval.k",
+    "evaluate.skills_alpha": "skills.retrieval.alpha", "evaluate.skills_floor": "skills.retrieval.floor",
+    "evaluate.skills_per_step": "skills.retrieval.mode (per_step | per_episode)",
+    "skills.ucb_c": "skills.retrieval.ucb_c", "skills.tau": "skills.validation.tau",
+    "skills.t_min": "skills.validation.t_min", "skills.versions_gamma": "skills.versions.gamma",
+    "skills.versions_min_uses": "skills.versions.min_uses", "skills.llm_miner": "skills.llm.miner",
+    "skills.llm_model": "skills.llm.model", "skills.llm_api_key_env": "skills.llm.api_key_env",
+    "skills.prune_min_utility": "skills.prune.min_utility",
+    "skills.prune_max_idle_rounds": "skills.prune.max_idle_rounds",
+    "skills.max_bank_size": "skills.prune.max_bank_size",
+    **{f"transfer.{k}": f"transfer.model.{k}" for k in ("arch", "hidden_size", "num_layers", "num_heads",
+                                                         "num_kv_heads", "intermediate_size")},
+}
+"""Keys of the params.yaml layout before the sections were the library's configs -> where they live now (the error
+for an unknown key says so)."""
 SHORTHAND_FIELDS = ("name", "method")
 """A mapping section whose dataclass has one of these fields may be written as that field's value alone."""
 
@@ -119,7 +154,9 @@ def build_config(cls: type, raw: Any, path: str, default: Any = None) -> Any:
         raise _wrong(path, cls, raw)
     unknown = sorted(str(key) for key in raw if key not in fields)
     if unknown:
-        raise ParamsError(f"params.yaml: unknown key(s) {unknown} in {path}; valid keys: {list(fields)}")
+        moved = [f"{path}.{key} is now {MOVED_KEYS[f'{path}.{key}']}" for key in unknown if f"{path}.{key}" in MOVED_KEYS]
+        hint = f" ({'; '.join(moved)})" if moved else ""
+        raise ParamsError(f"params.yaml: unknown key(s) {unknown} in {path}; valid keys: {list(fields)}{hint}")
     hints = typing.get_type_hints(cls)
     values = {}
     for key, value in raw.items():
