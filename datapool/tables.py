@@ -326,9 +326,11 @@ reach the OS before the call returns, so they survive the process being killed (
 def _sqlite_pragmas(busy_timeout_ms: int, synchronous: str):
     def on_connect(dbapi_connection, _record) -> None:
         cursor = dbapi_connection.cursor()
+        # first: switching the journal mode below needs the lock too, and must wait for it like any writer (a pool
+        # being created or migrated by another process holds it), not fail after the driver's default 5 s
+        cursor.execute(f"PRAGMA busy_timeout={busy_timeout_ms}")
         cursor.execute("PRAGMA journal_mode=WAL")  # readers never block the writer
         cursor.execute(f"PRAGMA synchronous={synchronous}")
-        cursor.execute(f"PRAGMA busy_timeout={busy_timeout_ms}")  # writers wait instead of failing at once
         cursor.execute("PRAGMA foreign_keys=ON")
         cursor.close()
     return on_connect

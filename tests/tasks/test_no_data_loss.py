@@ -15,6 +15,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+from typer.testing import CliRunner
+
+from flows.cli import app
 from flows.stages import run_stage_functions
 from tasks import mine, rollout, train, validate, warmstart
 from tasks.config import params_to_dict, parse_params
@@ -150,10 +153,10 @@ def test_bad_values_exit_2_from_the_cli_and_touch_nothing(project, stage, args, 
         for key, value in values.items():
             raw[section][key] = {**raw[section][key], **value} if isinstance(value, dict) else value
     (project.root / "params.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
-    result = subprocess.run([sys.executable, "-m", "flows.cli_main", "stage", stage, *args, "--root",
-                             str(project.root)], capture_output=True, text=True, cwd=REPO)
-    assert result.returncode == 2, result.stderr[-2000:]
-    assert "must be > 0" in result.stderr and "Traceback" not in result.stderr
+    result = CliRunner().invoke(app, ["stage", stage, *args, "--root", str(project.root)])
+    assert result.exit_code == 2, result.output[-2000:]
+    assert "must be > 0" in result.output and result.exception is not None and isinstance(result.exception,
+                                                                                          SystemExit)
     assert snapshot(project) == before
 
 
