@@ -25,6 +25,9 @@ class HarnessConfig:
     calls). The rollout parser accepts both."""
     step_timeout_s: float = 10.0
     """Seconds an env step may take before its episode fails (recorded with the reason)."""
+    chat_template: bool = False
+    """Wrap every prompt in the tokenizer's own chat template (one user turn, generation prompt added): for
+    pretrained chat models (bootstrap.model); the embedded tiny tokenizer has none."""
 
     def __post_init__(self) -> None:
         check_config(self, history_turns="non_negative", process_alpha="non_negative", step_timeout_s="positive")

@@ -10,7 +10,7 @@ from typing import Any, Mapping, Sequence
 
 from agents.context import Turn, expert_fold_response, get_context_manager
 from agents.rollout import EnvKwargs, SkillQuery, SkillSlot, SkillsFor, as_slot, check_env_kwargs, with_macros
-from agents.templates import render_prompt, response_text, template_for
+from agents.templates import encode_prompt, render_prompt, response_text, template_for
 from envs.base import Scenario
 from envs.scenarios import expert_steps
 from skills.mdl import macro_slots, match_macro
@@ -19,8 +19,8 @@ from skills.mdl import macro_slots, match_macro
 def expert_demonstrations(tokenizer: Any, scenarios: list[Scenario], *, context: str = "window",
                           history_turns: int = 0, skills_for: SkillsFor | None = None,
                           env_kwargs: EnvKwargs | None = None, require_win: bool = True,
-                          tool_format: str = "text", skills_per_step: bool = False, call_macros: bool = False
-                          ) -> list[tuple[list[int], list[int]]]:
+                          tool_format: str = "text", skills_per_step: bool = False, call_macros: bool = False,
+                          chat_template: bool = False) -> list[tuple[list[int], list[int]]]:
     """(prompt ids, response ids) per expert step of every scenario, for warm-start SFT.
 
     Prompts are built exactly as in ``run_episodes``; a response is ``" " + action`` followed by eos (with fold,
@@ -36,7 +36,7 @@ def expert_demonstrations(tokenizer: Any, scenarios: list[Scenario], *, context:
                                          skills_for=skills_for, env_kwargs=env_kwargs, require_win=require_win,
                                          tool_format=tool_format, skills_per_step=skills_per_step,
                                          call_macros=call_macros):
-        pairs.append((tokenizer.encode(prompt, add_special_tokens=False),
+        pairs.append((encode_prompt(tokenizer, prompt, chat=chat_template),
                       tokenizer.encode(response, add_special_tokens=False) + [eos]))
     return pairs
 

@@ -22,7 +22,7 @@ from tqdm.auto import tqdm
 
 from agents.context import Turn, fold_process_rewards, get_context_manager, parse_fold_tags
 from agents.parser import parse_action
-from agents.templates import PromptTemplate, render_prompt, response_text, template_for
+from agents.templates import PromptTemplate, encode_prompt, render_prompt, response_text, template_for
 from envs.tools import parse_tool_call
 from agents.workers import call_all
 from datapool.records import StepRecord, TrajectoryRecord
@@ -89,7 +89,8 @@ def run_episodes(engine: Engine, tokenizer: Any, scenarios: list[Scenario], *, g
                  sampling: SamplingParams, round_index: int = 0, context: str = "window", history_turns: int = 0,
                  process_alpha: float = 0.1, skills_for: SkillsFor | None = None, env_kwargs: EnvKwargs | None = None,
                  step_timeout_s: float = 10.0, workers: int = 4, progress: bool = True, seed: int = 0,
-                 max_turns: int = 256, skills_per_step: bool = False) -> list[TrajectoryRecord]:
+                 max_turns: int = 256, skills_per_step: bool = False, chat_template: bool = False
+                 ) -> list[TrajectoryRecord]:
     """Run ``group_size`` episodes of every scenario with ``engine``; one TrajectoryRecord per episode.
 
     Records come back in (scenario, episode index) order. ``context`` names the context manager and
@@ -142,7 +143,7 @@ def run_episodes(engine: Engine, tokenizer: Any, scenarios: list[Scenario], *, g
                                      admissible=with_macros(ep.info.get("admissible_actions"), ep.macros),
                                      skills_text=ep.skills_text)
                        for ep in live]
-            prompt_ids = [tokenizer.encode(p, add_special_tokens=False) for p in prompts]
+            prompt_ids = [encode_prompt(tokenizer, p, chat=chat_template) for p in prompts]
             turn_sampling = dataclasses.replace(sampling, seed=_turn_seed(
                 sampling.seed if sampling.seed is not None else seed, round_index, turn))
             generations = engine.generate(prompt_ids, turn_sampling)
@@ -166,7 +167,8 @@ def run_episodes(engine: Engine, tokenizer: Any, scenarios: list[Scenario], *, g
                 obs, reward, terminated, truncated, info = value
                 valid = bool(info.get("action_valid", True)) and action != ""
                 shown = action if valid else text.strip()
-                trace = _skill_trace(ep, manager, history_turns, tokenizer, info.pop(_MACRO_TRACE, None))
+                trace = _skill_trace(ep, manager, history_turns, tokenizer, info.pop(_MACRO_TRACE, None),
+                                     chat_template)
                 ep.macro_calls += action in ep.macros
                 ep.turns.append(Turn(ep.observation, text, shown, ep.info.get("subgoals_done")))
                 process = _process_reward(ep.turns, process_alpha) if fold else 0.0
@@ -230,7 +232,7 @@ SkillTrace = tuple[list[int], list[list[int]], list[list[int]]]
 
 
 def _skill_trace(ep: _Episode, manager, history_turns: int, tokenizer: Any,
-                 macro_steps: list[tuple[str, tuple[str, ...], str]] | None) -> SkillTrace:
+                 macro_steps: list[tuple[str, tuple[str, ...], str]] | None, chat: bool = False) -> SkillTrace:
     """What internalization (SIRI) needs of one step taken with skills in the prompt: the prompt WITHOUT the skill
     slot, and for a macro each sub-step's plain prompt and action tokens. Nothing for a skill-free prompt."""
     if not ep.skills_text:
@@ -246,10 +248,10 @@ def _skill_trace(ep: _Episode, manager, history_turns: int, tokenizer: Any,
             prompt = render_prompt(ep.template, ep.task, manager(turns, history_turns), observation,
                                    admissible=admissible)
             ids = tokenizer.encode(response_text(action, template=ep.template), add_special_tokens=False)
-            prompts.append(tokenizer.encode(prompt, add_special_tokens=False))
+            prompts.append(encode_prompt(tokenizer, prompt, chat=chat))
             actions.append(ids + ([eos] if eos is not None else []))
             turns.append(Turn(observation, " " + action, action, None))
-    return tokenizer.encode(plain, add_special_tokens=False), prompts, actions
+    return encode_prompt(tokenizer, plain, chat=chat), prompts, actions
 
 
 def _process_reward(turns: Sequence[Turn], alpha: float) -> float:

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 from agents.context import ContextView
 from envs.tools import tool_call_text
@@ -138,3 +138,17 @@ def response_text(action: str, *, tool_format: str = "text", template: PromptTem
 
 
 TOOL_FORMATS = ("text", "openai")
+
+
+def encode_prompt(tokenizer: Any, text: str, *, chat: bool = False) -> list[int]:
+    """The ids of a rendered prompt: the text itself, or with ``chat`` the tokenizer's chat template around it (one
+    user message, the assistant's generation prompt appended), as a pretrained chat model expects."""
+    if not chat:
+        return list(tokenizer.encode(text, add_special_tokens=False))
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("harness.chat_template is set but the policy's tokenizer has no chat template: set it to "
+                         "false, or use a chat model (e.g. bootstrap.model: smollm2-135m-instruct)")
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                        tokenize=True)
+    ids = ids["input_ids"] if hasattr(ids, "keys") else ids
+    return [int(t) for t in ids]

@@ -81,6 +81,41 @@ def dvc_yaml(root: Path = typer.Option(Path(".")),
     typer.echo(f"wrote {path} ({params.pipeline.rounds} rounds)")
 
 
+@app.command("use-profile")
+def use_profile(profile: Path = typer.Argument(..., help="a params profile, e.g. configs/smollm2-household.yaml"),
+                root: Path = typer.Option(Path("."), help="project root (holds params.yaml and dvc.yaml)")) -> None:
+    """Make params.yaml the defaults with the profile's keys on top (checked like params.yaml; the old file is
+    kept as params.yaml.bak) and rewrite dvc.yaml to match."""
+    layout = Layout(root.resolve())
+    try:
+        params = load_params(profile)
+    except ParamsError as err:
+        typer.secho(f"error: {profile}: {err}", fg=typer.colors.RED, err=True)
+        raise typer.Exit(2) from err
+    target = layout.root / "params.yaml"
+    text = (f"# written by `arlflow use-profile {profile}`: the defaults with that profile's keys on top\n"
+            + params_to_yaml(params))
+    if target.exists() and target.read_text() != text:
+        target.replace(target.with_name("params.yaml.bak"))
+    target.write_text(text)
+    (layout.root / "dvc.yaml").write_text(dvc_sync.render_dvc_yaml(params, layout))
+    typer.echo(f"wrote {target} from {profile} and dvc.yaml ({params.pipeline.rounds} rounds)")
+
+
+@app.command("convert-model")
+def convert_model(name: str = typer.Argument(..., help="a packaged model, e.g. smollm2-135m-instruct"),
+                  out: Path = typer.Option(..., help="the Hugging Face folder to write")) -> None:
+    """Turn a packaged GGUF model into a Hugging Face folder, offline (bootstrap.model does it by name too)."""
+    from models.gguf import convert_packaged
+
+    try:
+        path = convert_packaged(name, out)
+    except (ValueError, FileNotFoundError) as err:
+        typer.secho(f"error: {err}", fg=typer.colors.RED, err=True)
+        raise typer.Exit(2) from err
+    typer.echo(f"wrote {path}")
+
+
 @app.command("check-params")
 def check_params(root: Path = typer.Option(Path("."), help="project root (holds params.yaml and dvc.yaml)"),
                  defaults: bool = typer.Option(False, "--defaults", help="print the default config instead")) -> None:

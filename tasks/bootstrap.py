@@ -9,9 +9,10 @@ from typing import Any
 
 from agents.context import ContextView
 from agents.demos import expert_texts
-from agents.templates import render_prompt, response_text, template_for
+from agents.templates import encode_prompt, render_prompt, response_text, template_for
 from envs.base import Scenario, close_env, make_scenario_env
 from envs.scenarios import UnseenScenarioShortage, make_scenarios, unseen_heldout
+from models.gguf import PACKAGED_MODELS, convert_packaged, packaged_gguf
 from models.build import build_model, count_parameters, load_policy, save_policy, train_tokenizer
 from skills.bank import Skill
 from tasks.common import env_kwargs, pregenerate_games, seed_everything, write_json, write_scenarios
@@ -112,10 +113,13 @@ def run(params: Params, layout: Layout) -> dict[str, Any]:
     cfg = params.bootstrap
     seed = params.pipeline.seed
     seed_everything(seed)
-    if cfg.model and not (Path(cfg.model) / "config.json").exists():  # checked before anything is written
+    if cfg.model in PACKAGED_MODELS:                                  # checked before anything is written
+        packaged_gguf(cfg.model)
+    elif cfg.model and not (Path(cfg.model) / "config.json").exists():
         raise FileNotFoundError(f"bootstrap.model = {cfg.model!r} is not a Hugging Face model folder "
-                                "(no config.json); set it to a folder saved with save_pretrained, or '' for "
-                                "the tiny local model")
+                                "(no config.json) nor a packaged model "
+                                f"({sorted(PACKAGED_MODELS)}); set it to a folder saved with save_pretrained, "
+                                "a packaged name, or '' for the tiny local model")
     train, heldout, overlap = make_scenario_sets(params)
     target, metrics_path = layout.policy("base"), layout.metrics_dir / "bootstrap.json"
     with staged_outputs(layout.root, "bootstrap", [layout.scenarios_dir, target, metrics_path]) as out:
@@ -127,7 +131,9 @@ def run(params: Params, layout: Layout) -> dict[str, Any]:
         pregenerate_games(train + heldout, kwargs_by_env)
         write_scenarios(scenarios_dir / layout.scenarios("train").name, train)
         write_scenarios(scenarios_dir / layout.scenarios("heldout").name, heldout)
-        if cfg.model:
+        if cfg.model in PACKAGED_MODELS:
+            model, tokenizer = load_policy(convert_packaged(cfg.model, out.path(target)))
+        elif cfg.model:
             model, tokenizer = load_policy(Path(cfg.model))
         else:
             corpus = tokenizer_corpus(train[: cfg.tokenizer_corpus_episodes], params, seed, kwargs_by_env)
@@ -142,7 +148,7 @@ def run(params: Params, layout: Layout) -> dict[str, Any]:
                                        admissible=info.get("admissible_actions") or ())
             finally:
                 close_env(env)
-            first_prompts.append(len(tokenizer.encode(prompt, add_special_tokens=False)))
+            first_prompts.append(len(encode_prompt(tokenizer, prompt, chat=params.harness.chat_template)))
         metrics = {
             "parameters": count_parameters(model),
             "vocab_size": len(tokenizer),

@@ -85,7 +85,7 @@ def episode_options(params: Params, layout: Layout | None = None) -> dict[str, A
     """The harness options every stage runs episodes (and expert demos) with: one place, so rollout, evaluation
     and warm start render prompts the same way."""
     return {"context": params.harness.context, "history_turns": params.harness.history_turns,
-            "env_kwargs": env_kwargs(params, layout)}
+            "env_kwargs": env_kwargs(params, layout), "chat_template": params.harness.chat_template}
 
 
 def seed_everything(seed: int) -> None:

@@ -5,7 +5,8 @@ import csv
 from typing import Any
 
 from skills.lifecycle import CHANGE_VERBS, load_round_bank
-from tasks.common import evaluate_policy, load_engine, read_json, read_scenarios, seed_everything, write_json
+from tasks.common import evaluate_policy, read_json, read_scenarios, seed_everything, write_json
+from tasks.engines import open_engine
 from tasks.config import Params
 from tasks.layout import Layout
 from tasks.outputs import staged_outputs
@@ -52,20 +53,22 @@ def run(params: Params, layout: Layout) -> dict[str, Any]:
     policies += [(f"round_{r}", f"round_{r}", f"train_{r}") for r in range(1, rounds + 1)]
 
     results: dict[str, dict[str, Any]] = {}
+    handoffs: dict[str, dict[str, Any]] = {}
     for label, folder, producer in policies:
-        engine = load_engine(layout.policy(folder), folder, producer)
-        results[label], _ = evaluate_policy(engine, heldout, params, layout=layout, label=label)
-        if label == f"round_{rounds}":
-            results["final_with_skills"], _ = evaluate_policy(engine, heldout, params, layout=layout,
-                                                              skills=final_skills,
-                                                              label="final_with_skills")
-            results["final_with_skills"]["skills_in_bank"] = len(final_skills)
+        with open_engine(params, layout, layout.policy(folder), folder, producer,
+                         stage=f"evaluate-{label}") as (engine, handoffs[label]):
+            results[label], _ = evaluate_policy(engine, heldout, params, layout=layout, label=label)
+            if label == f"round_{rounds}":
+                results["final_with_skills"], _ = evaluate_policy(engine, heldout, params, layout=layout,
+                                                                  skills=final_skills,
+                                                                  label="final_with_skills")
+                results["final_with_skills"]["skills_in_bank"] = len(final_skills)
     results["final"] = results[f"round_{rounds}"]
     heldout_metrics = {key: _subset(results[key]) for key in ("base", "warmstart", "final", "final_with_skills")}
     per_round = {f"round_{r}": _subset(results[f"round_{r}"]) for r in range(1, rounds + 1)}
     skills_report = skill_report(results["final"], results["final_with_skills"], final_bank, layout, rounds)
     report = {"heldout": heldout_metrics, "rounds": per_round, "skills": skills_report,
-              "heldout_scenarios": len(heldout), "seed": params.pipeline.seed}
+              "heldout_scenarios": len(heldout), "seed": params.pipeline.seed, "engine": handoffs}
 
     rows = []
     for r in range(0, rounds + 1):

@@ -58,6 +58,11 @@ class Layout:
         return self.root / "artifacts" / "checkpoints" / f"train_{round_index}"
 
     @property
+    def logs_dir(self) -> Path:
+        """Server logs of the stages (managed vLLM servers); not DVC outputs."""
+        return self.root / "logs"
+
+    @property
     def metrics_dir(self) -> Path:
         return self.root / "metrics"
 

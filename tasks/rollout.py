@@ -13,10 +13,11 @@ from datapool.parquet import export_steps
 from datapool.records import TrajectoryRecord
 from datapool.store import DataPool
 from skills.lifecycle import RoundBank, load_round_bank
-from tasks.common import (episode_options, load_engine, read_scenarios, seed_everything, skill_program, skills_per_step,
+from tasks.common import (episode_options, read_scenarios, seed_everything, skill_program, skills_per_step,
                           write_json)
 from tasks.skill_trials import trial_frame, write_trials
 from tasks.config import Params, params_to_dict
+from tasks.engines import open_engine
 from tasks.layout import Layout, require
 from tasks.outputs import staged_outputs
 
@@ -85,8 +86,8 @@ def run(params: Params, layout: Layout, round_index: int) -> dict[str, Any]:
     seed = params.pipeline.seed * 1000 + round_index
     seed_everything(seed)
     version = policy_version(round_index)
-    engine = load_engine(layout.round_policy(round_index), version,
-                         "warmstart" if round_index == 1 else f"train_{round_index - 1}")
+    producer = "warmstart" if round_index == 1 else f"train_{round_index - 1}"
+    require(layout.round_policy(round_index), producer)
     train = read_scenarios(layout, "train")
     order = random.Random(seed).sample(train, len(train))  # this round's scenario order; batches take the next ones
     # round 0's bank is the warm start's (always written): a missing bank is an error, not a run without skills
@@ -97,29 +98,32 @@ def run(params: Params, layout: Layout, round_index: int) -> dict[str, Any]:
     program = skill_program(bank, params)
     sampling = replace(cfg.sampling, seed=seed)
 
-    started = time.perf_counter()
-    trajectories: list[TrajectoryRecord] = []
-    informative, batches, used = 0, 0, 0
-    # DAPO-style dynamic sampling: degenerate groups (all returns equal) carry no signal; draw fresh scenarios for
-    # the shortfall until scenarios_per_round informative groups exist or max_generation_batches is reached.
-    while batches < cfg.max_generation_batches and used < len(order):
-        wanted = cfg.scenarios_per_round if batches == 0 else cfg.scenarios_per_round - informative
-        if wanted <= 0:
-            break
-        batch = order[used: used + wanted]
-        used += len(batch)
-        batches += 1
-        program.plan(batch, cfg.group_size, seed + 7919 * (batches - 1))
-        new = run_episodes(engine, engine.tokenizer, batch, group_size=cfg.group_size,
-                           sampling=replace(sampling, seed=seed + 7919 * (batches - 1)),
-                           round_index=round_index, **episode_options(params, layout),
-                           process_alpha=params.harness.process_alpha,
-                           skills_for=program.skills_for if program.active else None,
-                           skills_per_step=skills_per_step(params),
-                           step_timeout_s=params.harness.step_timeout_s, seed=seed + 7919 * (batches - 1))
-        informative += count_informative_groups(new)
-        trajectories += new
-    elapsed = time.perf_counter() - started
+    # cheap checks above, servers (engine.kind vllm) last: the handoff is verified before the first episode
+    with open_engine(params, layout, layout.round_policy(round_index), version, producer,
+                     stage=f"rollout_{round_index}") as (engine, engine_stats):
+        started = time.perf_counter()
+        trajectories: list[TrajectoryRecord] = []
+        informative, batches, used = 0, 0, 0
+        # DAPO-style dynamic sampling: degenerate groups (all returns equal) carry no signal; draw fresh scenarios
+        # for the shortfall until scenarios_per_round informative groups exist or max_generation_batches is reached.
+        while batches < cfg.max_generation_batches and used < len(order):
+            wanted = cfg.scenarios_per_round if batches == 0 else cfg.scenarios_per_round - informative
+            if wanted <= 0:
+                break
+            batch = order[used: used + wanted]
+            used += len(batch)
+            batches += 1
+            program.plan(batch, cfg.group_size, seed + 7919 * (batches - 1))
+            new = run_episodes(engine, engine.tokenizer, batch, group_size=cfg.group_size,
+                               sampling=replace(sampling, seed=seed + 7919 * (batches - 1)),
+                               round_index=round_index, **episode_options(params, layout),
+                               process_alpha=params.harness.process_alpha,
+                               skills_for=program.skills_for if program.active else None,
+                               skills_per_step=skills_per_step(params),
+                               step_timeout_s=params.harness.step_timeout_s, seed=seed + 7919 * (batches - 1))
+            informative += count_informative_groups(new)
+            trajectories += new
+        elapsed = time.perf_counter() - started
     attempt = attempt_id(params, layout, round_index)
     trajectories = tag_attempt(trajectories, attempt)
     if not trajectories:
@@ -137,7 +141,7 @@ def run(params: Params, layout: Layout, round_index: int) -> dict[str, Any]:
     metrics.update({"round": round_index, "steps": len(frame), "wall_time_s": elapsed, "generation_batches": batches,
                     "informative_groups": informative, "batch_full": informative >= cfg.scenarios_per_round,
                     "sampled_tokens_per_s": tokens / max(elapsed, 1e-9), "skills_in_prompt": program.active,
-                    "skills_live": len(bank.live), "skills_candidates": len(bank.candidates),
+                    "engine": engine_stats, "skills_live": len(bank.live), "skills_candidates": len(bank.candidates),
                     "skill_tests": {test or "none": int(n) for test, n in
                                     trials.drop_duplicates("group_id")["test"].value_counts().items()}})
     outputs = [layout.steps(round_index), layout.skill_trials(round_index), layout.round_metrics(round_index, "rollout")]

@@ -25,6 +25,7 @@ from models.engine import SamplingParams
 from models.internalize import InternalizeConfig
 from models.losses import LossConfig
 from models.reference import AdapterConfig
+from models.served_engine import EngineConfig
 from skills.embeddings import EMBEDDERS
 from skills.lifecycle import PruneConfig
 from skills.llm_miner import LLMMinerConfig
@@ -81,7 +82,8 @@ class BootstrapConfig:
     """params.yaml ``bootstrap``: the base policy and tokenizer, and the scenario sets."""
 
     model: str = ""
-    """Path to a Hugging Face model folder to use as the base policy; empty builds the tiny local model."""
+    """The base policy: a Hugging Face model folder, a packaged pretrained model converted offline
+    (smollm2-135m-instruct: models/gguf.py), or empty for the tiny local model."""
     tiny: TinyModelConfig = TinyModelConfig()
     """The tiny local model (when ``model`` is empty)."""
     vocab_size: int = 384
@@ -115,6 +117,8 @@ class WarmstartConfig:
     (every scenario keeps its plain demonstration). 0 = off."""
     update: UpdateConfig = UpdateConfig(epochs=3, micro_batch_size=64)
     optimizer: OptimizerConfig = OptimizerConfig(lr=1e-3)
+    lora: AdapterConfig = AdapterConfig()
+    """LoRA adapters for the warm-start SFT (merged into the saved policy); r 0 = full fine-tuning."""
 
     def __post_init__(self) -> None:
         check_config(self, demo_scenarios="positive", skill_demos="probability")
@@ -222,6 +226,7 @@ class Params:
     pipeline: PipelineConfig = PipelineConfig()
     env: EnvConfig = EnvConfig()
     harness: HarnessConfig = HarnessConfig()
+    engine: EngineConfig = EngineConfig()
     bootstrap: BootstrapConfig = BootstrapConfig()
     warmstart: WarmstartConfig = WarmstartConfig()
     rollout: RolloutConfig = RolloutConfig()

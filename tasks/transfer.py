@@ -5,7 +5,8 @@ from pathlib import Path
 from typing import Any
 
 from models.build import build_model, load_policy
-from tasks.common import evaluate_policy, load_engine, load_skills, read_scenarios, seed_everything, write_json
+from tasks.common import evaluate_policy, load_skills, read_scenarios, seed_everything, write_json
+from tasks.engines import open_engine
 from tasks.config import Params
 from tasks.layout import Layout, require
 from tasks.outputs import staged_outputs
@@ -38,13 +39,15 @@ def transfer_report(params: Params, layout: Layout, heldout, skills, target: Pat
     """Warm-start the second model into ``save_to``; evaluate it and the warm-start policy with and without the
     final bank."""
     sft_metrics = build_transfer_model(params, layout, save_to)
-    engines = {"warmstart": load_engine(layout.policy("warmstart"), "warmstart", "warmstart"),
-               f"{params.transfer.model.arch}_warmstart": load_engine(save_to, target.name, "transfer")}
-    report: dict[str, Any] = {"models": {}, "skills_in_bank": len(skills)}
-    for name, engine in engines.items():
-        without, _ = evaluate_policy(engine, heldout, params, layout=layout, label=f"{name} without skills")
-        with_skills, _ = evaluate_policy(engine, heldout, params, layout=layout, skills=skills,
-                                         label=f"{name} with skills")
+    policies = {"warmstart": (layout.policy("warmstart"), "warmstart", "warmstart"),
+                f"{params.transfer.model.arch}_warmstart": (save_to, target.name, "transfer")}
+    report: dict[str, Any] = {"models": {}, "skills_in_bank": len(skills), "engine": {}}
+    for name, (folder, version, producer) in policies.items():
+        with open_engine(params, layout, folder, version, producer,
+                         stage=f"transfer-{name}") as (engine, report["engine"][name]):
+            without, _ = evaluate_policy(engine, heldout, params, layout=layout, label=f"{name} without skills")
+            with_skills, _ = evaluate_policy(engine, heldout, params, layout=layout, skills=skills,
+                                             label=f"{name} with skills")
         report["models"][name] = {"without_skills": without, "with_skills": with_skills}
         log_metrics(without, prefix=f"{name}.without_skills.")
         log_metrics(with_skills, prefix=f"{name}.with_skills.")

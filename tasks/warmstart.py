@@ -63,6 +63,8 @@ def sft_policy(model, tokenizer, scenarios: list[Scenario], params: Params, save
                                        skills_for=skill_slot(list(skills), params),
                                        skills_per_step=skills_per_step(params),
                                        call_macros=params.skills.macros)
+    if cfg.lora.r > 0:
+        model = cfg.lora.apply(model)
     engine = make_ds_engine(model, cfg.optimizer, micro_batch_size=cfg.update.micro_batch_size)
     metrics = sft_update(engine, pairs, pad_id=tokenizer.pad_token_id, update=cfg.update, seed=params.pipeline.seed)
     metrics["demos"] = len(pairs)

