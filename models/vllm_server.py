@@ -108,6 +108,11 @@ class VLLMServer:
                    VLLM_HTTP_TIMEOUT_KEEP_ALIVE="5")
         if self.cpu:
             env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.kv_cache_gb))
+            cores = os.cpu_count() or 1
+            if cores <= 4 and "VLLM_CPU_OMP_THREADS_BIND" not in env:
+                # vLLM's "auto" keeps one core for its frontend: on 2 cores half the machine. Measured on 2 cores,
+                # SmolLM2-135M rollouts: 8.5 steps/s with auto, 14.9 with both cores bound.
+                env.update(VLLM_CPU_OMP_THREADS_BIND=f"0-{cores - 1}", VLLM_CPU_NUM_OF_RESERVED_CPU="0")
             env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "auto")
             iomp = next(iter(self.python.parent.parent.glob("lib/libiomp5.so")), None)
             if iomp is not None:
@@ -121,8 +126,11 @@ class VLLMServer:
                                  ".vllm-venv) or set engine.python to the python of a venv with vllm installed")
         if not (self.model_dir / "config.json").is_file():
             raise VLLMStartError(f"{self.model_dir} is not a Hugging Face model folder (no config.json)")
+        config = json.loads((self.model_dir / "config.json").read_text())
+        longest = config.get("max_position_embeddings")
+        if isinstance(longest, int) and self.max_model_len > longest:
+            self.max_model_len = longest     # vLLM refuses a context longer than the model's positions
         if self.cpu:
-            config = json.loads((self.model_dir / "config.json").read_text())
             heads = config.get("num_attention_heads") or 1
             head_dim = config.get("head_dim") or config.get("hidden_size", 0) // heads
             if head_dim not in CPU_HEAD_SIZES:

@@ -119,7 +119,8 @@ def open_engine(params: Params, layout: Layout, path: Path, version: str, produc
         pool = OpenAIUpstreamPool(urls, tokenizer=tokenizer, api_key=api_key, strategy="least_loaded",
                                   timeout_s=cfg.timeout_s, max_retries=max(1, len(urls) - 1),
                                   name=f"{stage}-engine")
-        engine = ServedEngine(pool, tokenizer, policy_version=version, concurrency=cfg.concurrency)
+        engine = ServedEngine(pool, tokenizer, policy_version=version, concurrency=cfg.concurrency,
+                              prompts_per_request=cfg.prompts_per_request)
         stack.callback(engine.close)
         pool.model = version if cfg.kind == "vllm" else served_model_name(pool, version, cfg.model)
         stats["model"] = pool.model

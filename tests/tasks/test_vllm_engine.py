@@ -168,7 +168,7 @@ def test_killing_the_server_mid_rollout_fails_cleanly(user_server, project):
     before = {p: hashlib.sha256(p.read_bytes()).hexdigest() for p in outputs}
     with DataPool(layout.pool_url) as pool:
         counts = pool.counts()
-    params = parse_params({**PROJECT, "rollout": {**PROJECT["rollout"], "scenarios_per_round": 48},
+    params = parse_params({**PROJECT, "rollout": {**PROJECT["rollout"], "scenarios_per_round": 48, "group_size": 16},
                            "engine": {"kind": "openai", "urls": [user_server.base_url]}})
     failure: list[BaseException] = []
 
@@ -182,7 +182,8 @@ def test_killing_the_server_mid_rollout_fails_cleanly(user_server, project):
     worker = threading.Thread(target=stage)
     worker.start()
     deadline = time.monotonic() + 300
-    while _completions(user_server.log_path) < seen + 60 and worker.is_alive() and time.monotonic() < deadline:
+    # one batched request per turn (after the handoff's probe request): kill it after two turns were answered
+    while _completions(user_server.log_path) < seen + 3 and worker.is_alive() and time.monotonic() < deadline:
         time.sleep(0.1)
     assert worker.is_alive(), f"the rollout ended before the kill: {failure}"
     user_server.stop(grace_s=0)                                   # SIGTERM, then SIGKILL of the whole group
@@ -231,6 +232,7 @@ def test_two_pipeline_rounds_on_managed_vllm(project, tmp_path):
         assert len(frame) > 0 and not frame["retokenized"].any()
         assert set(frame["policy_version"]) == {version} and metadata["policy_version"] == version
         metrics = _json(layout.round_metrics(round_index, "rollout"))
+        print(f"rollout_{round_index} handoff:", json.dumps(metrics["engine"]))      # for the notes (pytest -s)
         assert metrics["engine"]["engine"] == "vllm" and metrics["engine"]["verify_max_abs_diff"] < 1e-4
         assert metrics["engine"]["handoff_s"] > 0 and metrics["engine"]["requests"] > 0
         train = _json(layout.round_metrics(round_index, "train"))
