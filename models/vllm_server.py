@@ -172,36 +172,19 @@ class VLLMServer:
                                      f"{log_tail(self.log_path)}")
             time.sleep(0.5)
 
-    def alive(self) -> bool:
-        return self.process is not None and self.process.poll() is None
-
     def stop(self, grace_s: float = 15.0) -> None:
-        """SIGTERM to the whole process group, SIGKILL after ``grace_s``; idempotent."""
+        """SIGTERM to the whole process group, then (after the leader exits or ``grace_s``) SIGKILL to what is left
+        of it (EngineCore, workers); idempotent."""
         if self.process is None:
             return
-        pgid = self.process.pid
-        for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(pgid, sig)
-            try:
-                self.process.wait(timeout=wait)
-                if not _group_alive(pgid):
-                    break
-            except subprocess.TimeoutExpired:
-                continue
         with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(pgid, signal.SIGKILL)        # stragglers of the group (EngineCore) once the leader is gone
+            os.killpg(self.process.pid, signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.process.wait(timeout=grace_s)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.process.pid, signal.SIGKILL)
+        self.process.wait()
         self.process = None
-
-
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 class VLLMServers:

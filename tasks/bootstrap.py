@@ -131,15 +131,16 @@ def run(params: Params, layout: Layout) -> dict[str, Any]:
         pregenerate_games(train + heldout, kwargs_by_env)
         write_scenarios(scenarios_dir / layout.scenarios("train").name, train)
         write_scenarios(scenarios_dir / layout.scenarios("heldout").name, heldout)
-        if cfg.model in PACKAGED_MODELS:
+        if cfg.model in PACKAGED_MODELS:      # converted straight into the output folder
             model, tokenizer = load_policy(convert_packaged(cfg.model, out.path(target)))
-        elif cfg.model:
-            model, tokenizer = load_policy(Path(cfg.model))
         else:
-            corpus = tokenizer_corpus(train[: cfg.tokenizer_corpus_episodes], params, seed, kwargs_by_env)
-            tokenizer = train_tokenizer(corpus, cfg.vocab_size)
-            model = build_model(tokenizer, cfg.tiny, seed=seed)
-        save_policy(model, tokenizer, out.path(target))
+            if cfg.model:
+                model, tokenizer = load_policy(Path(cfg.model))
+            else:
+                corpus = tokenizer_corpus(train[: cfg.tokenizer_corpus_episodes], params, seed, kwargs_by_env)
+                tokenizer = train_tokenizer(corpus, cfg.vocab_size)
+                model = build_model(tokenizer, cfg.tiny, seed=seed)
+            save_policy(model, tokenizer, out.path(target))
         first_prompts = []
         for scenario in heldout[:: max(1, len(heldout) // 50)]:
             env, obs, info = make_scenario_env(scenario, **kwargs_by_env.get(scenario.env, {}))
