@@ -7,7 +7,9 @@ from dataclasses import dataclass, field
 
 from agents.context import CONTEXT_MANAGERS
 from agents.templates import TOOL_FORMATS
-from models.checks import check_choice, check_config
+from models.checks import ConfigValueError, check_choice, check_config
+
+ACTION_SPACES = ("free", "admissible")
 
 
 @dataclass(frozen=True)
@@ -25,6 +27,11 @@ class HarnessConfig:
     calls). The rollout parser accepts both."""
     step_timeout_s: float = 10.0
     """Seconds an env step may take before its episode fails (recorded with the reason)."""
+    action_space: str = "free"
+    """free: the policy writes any text and the env judges it; admissible: constrained decoding, sampling restricted
+    to the token sequences of the state's admissible actions (slot-free macros of live skills included) by a prefix
+    tree over the vocabulary, in every engine (local; vLLM through arlflow's logits processor), with the trainer
+    scoring under the same mask (models/portable/action_trie.py). States without admissible actions decode freely."""
     chat_template: bool = False
     """Wrap every prompt in the tokenizer's own chat template (one user turn, generation prompt added): for
     pretrained chat models (bootstrap.model); the embedded tiny tokenizer has none."""
@@ -32,3 +39,7 @@ class HarnessConfig:
     def __post_init__(self) -> None:
         check_config(self, history_turns="non_negative", process_alpha="non_negative", step_timeout_s="positive")
         check_choice(self, "tool_format", TOOL_FORMATS)
+        check_choice(self, "action_space", ACTION_SPACES)
+        if self.action_space == "admissible" and self.context == "fold":
+            raise ConfigValueError("action_space", self.action_space, "free with context fold (fold responses carry "
+                                   "subgoal tags around the action, which the admissible actions do not)")

@@ -89,8 +89,8 @@ def run_episodes(engine: Engine, tokenizer: Any, scenarios: list[Scenario], *, g
                  sampling: SamplingParams, round_index: int = 0, context: str = "window", history_turns: int = 0,
                  process_alpha: float = 0.1, skills_for: SkillsFor | None = None, env_kwargs: EnvKwargs | None = None,
                  step_timeout_s: float = 10.0, workers: int = 4, progress: bool = True, seed: int = 0,
-                 max_turns: int = 256, skills_per_step: bool = False, chat_template: bool = False
-                 ) -> list[TrajectoryRecord]:
+                 max_turns: int = 256, skills_per_step: bool = False, chat_template: bool = False,
+                 action_space: str = "free") -> list[TrajectoryRecord]:
     """Run ``group_size`` episodes of every scenario with ``engine``; one TrajectoryRecord per episode.
 
     Records come back in (scenario, episode index) order. ``context`` names the context manager and
@@ -99,7 +99,9 @@ def run_episodes(engine: Engine, tokenizer: Any, scenarios: list[Scenario], *, g
     envs). ``sampling.seed`` (or ``seed`` when it is None) seeds a per-turn seed derived from (base seed, round,
     turn), so a rerun with the same inputs samples the same tokens. ``max_turns`` is a safety stop for envs that
     never truncate: episodes still live then end as ``"truncated"``. ``skills_for`` fills the prompt's skill slot
-    from a SkillQuery at reset, and again every turn with ``skills_per_step``.
+    from a SkillQuery at reset, and again every turn with ``skills_per_step``. ``action_space="admissible"``
+    restricts each response to the token sequences of the admissible actions shown (``action_choices``), recorded
+    on the step for the trainer's mask.
     """
     if group_size < 1:
         raise ValueError(f"group_size must be >= 1, got {group_size}")
@@ -107,6 +109,10 @@ def run_episodes(engine: Engine, tokenizer: Any, scenarios: list[Scenario], *, g
         raise ValueError(f"history_turns must be >= 0, got {history_turns}")
     if process_alpha < 0:
         raise ValueError(f"process_alpha must be >= 0, got {process_alpha}")
+    if action_space not in ("free", "admissible"):
+        raise ValueError(f"action_space must be 'free' or 'admissible', got {action_space!r}")
+    constrained = action_space == "admissible"
+    choice_ids = partial(action_choices, tokenizer, cache={})
     manager = get_context_manager(context)
     kwargs_by_env = check_env_kwargs(env_kwargs)
     policy_version = str(engine.policy_version)
@@ -146,7 +152,12 @@ def run_episodes(engine: Engine, tokenizer: Any, scenarios: list[Scenario], *, g
             prompt_ids = [encode_prompt(tokenizer, p, chat=chat_template) for p in prompts]
             turn_sampling = dataclasses.replace(sampling, seed=_turn_seed(
                 sampling.seed if sampling.seed is not None else seed, round_index, turn))
-            generations = engine.generate(prompt_ids, turn_sampling)
+            if constrained:
+                choices = [choice_ids(with_macros(ep.info.get("admissible_actions"), ep.macros)) for ep in live]
+                generations = engine.generate(prompt_ids, turn_sampling, choices=choices)
+            else:
+                choices = [None] * len(live)
+                generations = engine.generate(prompt_ids, turn_sampling)
             if len(generations) != len(live):
                 raise RuntimeError(f"engine returned {len(generations)} generations for {len(live)} prompts: "
                                    f"an Engine must return exactly one Generation per prompt, in order")
@@ -159,8 +170,8 @@ def run_episodes(engine: Engine, tokenizer: Any, scenarios: list[Scenario], *, g
                                 workers=workers, timeout_s=step_timeout_s)
             parsed = [(sent, action) if call is None else (call[0], call[0])
                       for (sent, action), call in zip(parsed, calls)]
-            for ep, prompt, ids, gen, text, (_, action), (value, error) in zip(
-                    live, prompts, prompt_ids, generations, texts, parsed, outcomes):
+            for ep, prompt, ids, gen, text, (_, action), (value, error), choice in zip(
+                    live, prompts, prompt_ids, generations, texts, parsed, outcomes, choices):
                 if error is not None:
                     _finish(ep, "failed", bar, error=f"env step {len(ep.steps)} failed: {error}")
                     continue
@@ -173,7 +184,7 @@ def run_episodes(engine: Engine, tokenizer: Any, scenarios: list[Scenario], *, g
                 ep.turns.append(Turn(ep.observation, text, shown, ep.info.get("subgoals_done")))
                 process = _process_reward(ep.turns, process_alpha) if fold else 0.0
                 ep.steps.append(_step_record(ep, ids, gen, prompt, text, action if valid else "", float(reward),
-                                             valid, policy_version, context, info, process, trace))
+                                             valid, policy_version, context, info, process, trace, choice))
                 ep.skill_tokens_total += ep.skill_tokens
                 ep.observation, ep.info = obs, info
                 if terminated or truncated:
@@ -218,6 +229,23 @@ def _run_macro(env: TextEnv, actions: list[str], observation: str, info: dict
         if terminated or truncated or not info.get("action_valid", True):
             break
     return observation, total, terminated, truncated, {**info, _MACRO_TRACE: sub}
+
+
+def action_choices(tokenizer: Any, actions: Sequence[str] | None, *, cache: dict) -> list[list[int]] | None:
+    """The token sequences constrained decoding allows for ``actions``: each as a demonstration writes it
+    (``response_text`` + eos, agents/demos.py), so warm start and the constraint agree; None without actions (the
+    step decodes freely). ``cache`` memoizes per action list (states repeat)."""
+    if not actions:
+        return None
+    key = tuple(actions)
+    if key not in cache:
+        eos = getattr(tokenizer, "eos_token_id", None)
+        if eos is None:
+            raise ValueError("action_space admissible needs a tokenizer with an eos_token_id (every admissible "
+                             "action ends with it)")
+        cache[key] = [list(tokenizer.encode(response_text(a), add_special_tokens=False)) + [int(eos)]
+                      for a in dict.fromkeys(actions)]
+    return cache[key]
 
 
 def with_macros(admissible: Sequence[str] | None, macros: Mapping[str, Sequence[str]]) -> Sequence[str]:
@@ -348,7 +376,7 @@ def _turn_seed(base: int, round_index: int, turn: int) -> int:
 
 def _step_record(ep: _Episode, prompt_ids: list[int], gen: Generation, prompt: str, text: str, action: str,
                  reward: float, valid: bool, policy_version: str, context: str, info: dict, process_reward: float,
-                 trace: SkillTrace) -> StepRecord:
+                 trace: SkillTrace, choices: list[list[int]] | None = None) -> StepRecord:
     """The step as stored: complete when made (its process reward and skill trace included), never changed."""
     tool_call = info.get("tool_call")
     plain_prompt_ids, macro_prompt_ids, macro_action_ids = trace
@@ -360,7 +388,7 @@ def _step_record(ep: _Episode, prompt_ids: list[int], gen: Generation, prompt: s
         truncated=gen.finish_reason == "length", skill_ids=list(ep.skill_ids), context_manager=context,
         tool_calls=1 if tool_call else 0, tool_successes=1 if tool_call and info.get("tool_success") else 0,
         process_reward=process_reward, plain_prompt_ids=plain_prompt_ids, macro_prompt_ids=macro_prompt_ids,
-        macro_action_ids=macro_action_ids)
+        macro_action_ids=macro_action_ids, action_choices=[list(c) for c in choices or []])
 
 
 def _finish(ep: _Episode, status: str, bar: tqdm, *, error: str | None) -> None:

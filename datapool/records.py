@@ -59,6 +59,10 @@ class StepRecord:
                                                "(empty when the step called no macro)", since=5, default=[])
     macro_action_ids: list[list[int]] = column("id_lists", "a macro call's sub-steps: each one's primitive action "
                                                "ids, eos included (one per macro_prompt_ids)", since=5, default=[])
+    action_choices: list[list[int]] = column("id_lists", "constrained decoding (harness.action_space admissible): the "
+                                             "token sequences the response was restricted to, one per admissible "
+                                             "action (eos included), the trainer's mask; empty = free decoding",
+                                             since=6, default=[])
 
 
 @dataclass
@@ -145,6 +149,13 @@ def validate_step(tid: str, group_id: str, step: StepRecord, *, check_index: boo
     if len(step.macro_action_ids) != len(step.macro_prompt_ids):
         raise _fail(tid, f"{where} 'macro_action_ids'", f"has {len(step.macro_action_ids)} sub-steps for "
                     f"{len(step.macro_prompt_ids)} macro_prompt_ids (must be equal)")
+    if step.action_choices and not _on_a_choice(step.response_ids, step.action_choices):
+        raise _fail(tid, f"{where} 'action_choices'", "does not contain the response: a constrained step's "
+                    "response_ids must be one of its choices or a prefix of one (the trainer scores it under them)")
+
+
+def _on_a_choice(response: list[int], choices: list[list[int]]) -> bool:
+    return any(list(choice[:len(response)]) == list(response) for choice in choices)
 
 
 def check_metadata(tid: str, metadata: Any) -> None:

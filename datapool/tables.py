@@ -26,7 +26,7 @@ from sqlalchemy.sql.expression import ColumnElement
 from datapool.records import ROW_TRAJECTORY_FIELDS, STEP_FIELDS, TRAJECTORY_FIELDS, StepRecord, TrajectoryRecord
 from datapool.schema import FieldSpec, spec
 
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 """Version of the tables below. Adding a column: declare its field with ``since=SCHEMA_VERSION + 1`` and bump this;
 the migration that adds it (with its default) is derived. Other changes need a hand-written step in MIGRATIONS."""
 

@@ -21,6 +21,7 @@ from torch import Tensor
 
 from models.checks import check_config
 from models.checkpoint import rank_and_world
+from models.portable.action_trie import allowed_positions, pad_allowed
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,7 @@ class TrainRow(NamedTuple):
     response_ids: list[int]
     old_logprobs: list[float] | None   # rollout log-probs of response_ids (one per token), None if unknown
     advantage: float | list[float]     # one value for every response token, or one per response token
+    choices: list[list[int]] | None = None   # constrained decoding: the token sequences sampling was restricted to
 
 
 
@@ -64,7 +66,9 @@ def collate(rows: list[TrainRow], pad_id: int) -> dict[str, Tensor]:
     input_ids, attention_mask: the sequences. target_ids[b, t] = input_ids[b, t + 1] (pad at the end).
     response_mask[b, t] = 1 iff target_ids[b, t] is a response token. old_logprobs / advantages: the row's rollout
     log-prob / advantage at those positions (a scalar advantage is broadcast), 0 elsewhere. has_old_logprobs [B]:
-    whether the row carried log-probs.
+    whether the row carried log-probs. allowed_ids [B, L, K] (only when a row has ``choices``): at each response
+    position, the ids constrained decoding allowed there (-1 padded; all -1 = unconstrained), which every scoring
+    of the batch masks the logits to (models/portable/action_trie.mask_logits).
     """
     if not rows:
         raise ValueError("collate needs at least one row")
@@ -76,6 +80,7 @@ def collate(rows: list[TrainRow], pad_id: int) -> dict[str, Tensor]:
     old_logprobs = torch.zeros((batch, width), dtype=torch.float32)         # [B, L]
     advantages = torch.zeros((batch, width), dtype=torch.float32)           # [B, L]
     has_old_logprobs = torch.zeros(batch, dtype=torch.bool)                 # [B]
+    allowed = {b: allowed_positions(row.choices, row.response_ids) for b, row in enumerate(rows) if row.choices}
     for b, row in enumerate(rows):
         n_prompt, n_response = len(row.prompt_ids), len(row.response_ids)
         if n_prompt == 0:
@@ -97,6 +102,14 @@ def collate(rows: list[TrainRow], pad_id: int) -> dict[str, Tensor]:
             old_logprobs[b, predicts_response] = torch.tensor(row.old_logprobs, dtype=torch.float32)
             has_old_logprobs[b] = True
     target_ids = torch.cat([input_ids[:, 1:], torch.full((batch, 1), pad_id, dtype=torch.long)], dim=1)  # [B, L]
+    extra = {}
+    if allowed:
+        width_k = max(len(ids) for lists in allowed.values() for ids in lists)
+        allowed_ids = torch.full((batch, width, width_k), -1, dtype=torch.long)   # [B, L, K]
+        for b, lists in allowed.items():
+            start = len(rows[b].prompt_ids) - 1
+            allowed_ids[b, start:start + len(lists)] = pad_allowed(lists, width_k)
+        extra["allowed_ids"] = allowed_ids
     return {
         "input_ids": input_ids,
         "attention_mask": attention_mask,
@@ -105,6 +118,7 @@ def collate(rows: list[TrainRow], pad_id: int) -> dict[str, Tensor]:
         "old_logprobs": old_logprobs,
         "advantages": advantages,
         "has_old_logprobs": has_old_logprobs,
+        **extra,
     }
 
 
@@ -150,7 +164,7 @@ def select_rows(batch: dict[str, Tensor], index: list[int], device: torch.device
     """Rows `index` of a collated batch, trimmed to their own longest sequence, on `device`."""
     picked = {k: v[index] for k, v in batch.items()}
     width = max(int(picked["attention_mask"].sum(dim=1).max()), 1)
-    return {k: (v[:, :width] if v.ndim == 2 else v).to(device) for k, v in picked.items()}
+    return {k: (v[:, :width] if v.ndim >= 2 else v).to(device) for k, v in picked.items()}
 
 
 def aggregation_units(mask: Tensor, aggregation: str) -> float:

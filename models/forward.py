@@ -10,6 +10,7 @@ import torch
 from torch import Tensor
 
 from models.losses import aggregate
+from models.portable.action_trie import mask_logits
 
 
 def next_token_logits(model, batch: dict[str, Tensor]) -> Tensor:
@@ -20,15 +21,19 @@ def next_token_logits(model, batch: dict[str, Tensor]) -> Tensor:
     ).logits.float()
 
 
-def gather_logprobs(logits: Tensor, target_ids: Tensor) -> Tensor:
-    """log softmax(logits)[target] without materializing the [B, L, V] log-softmax."""
+def gather_logprobs(logits: Tensor, target_ids: Tensor, allowed_ids: Tensor | None = None) -> Tensor:
+    """log softmax(logits)[target] without materializing the [B, L, V] log-softmax; with ``allowed_ids``
+    [B, L, K] (constrained decoding) the softmax is over the allowed ids only where a position is constrained."""
+    if allowed_ids is not None:
+        logits = mask_logits(logits, allowed_ids)
     picked = logits.gather(-1, target_ids.to(logits.device).unsqueeze(-1)).squeeze(-1)  # [B, L]
     return picked - torch.logsumexp(logits, dim=-1)                         # [B, L]
 
 
 def token_logprobs(model, batch: dict[str, Tensor]) -> Tensor:
-    """[B, L] log-prob of target_ids[b, t] (the token at t + 1) under `model`; meaningful where response_mask is 1."""
-    return gather_logprobs(next_token_logits(model, batch), batch["target_ids"])
+    """[B, L] log-prob of target_ids[b, t] (the token at t + 1) under `model`; meaningful where response_mask is 1.
+    Under the batch's constraint (``allowed_ids``) when it has one."""
+    return gather_logprobs(next_token_logits(model, batch), batch["target_ids"], batch.get("allowed_ids"))
 
 
 LOGIT_FREE_AUX = ("seal",)  # aux losses that read hidden states only, never logits

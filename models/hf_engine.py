@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
+from models.portable.action_trie import ActionTrie, Choices, mask_logits, pad_allowed
 from models.engine import Generation, SamplingParams
 
 
@@ -75,7 +76,14 @@ class TransformersEngine:
         forward_params = inspect.signature(model.forward).parameters
         self._cache_kwarg = "cache" if "cache" in forward_params else "past_key_values"
 
-    def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> list[Generation]:
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams,
+                 choices: list[Choices | None] | None = None) -> list[Generation]:
+        """One Generation per prompt. ``choices[i]`` (token-id sequences ending with eos) restricts prompt i's
+        response to one of them (models/portable/action_trie.py); its log-probs are then under the renormalized, masked
+        distribution. None = free decoding."""
+        if choices is not None and len(choices) != len(prompts):
+            raise ValueError(f"{len(choices)} choice lists for {len(prompts)} prompts: one per prompt (None = free)")
+        tries = [None if c is None else ActionTrie(c) for c in choices] if choices is not None else None
         for i, prompt in enumerate(prompts):
             if not prompt:
                 raise ValueError(f"prompt {i} is empty: a prompt needs at least one token (e.g. a bos or a system turn)")
@@ -98,14 +106,17 @@ class TransformersEngine:
             with torch.inference_mode():
                 for start in range(0, len(order), self.max_batch_size):
                     chunk = order[start : start + self.max_batch_size]
-                    for i, generation in zip(chunk, self._generate_batch([prompts[i] for i in chunk], sampling, generator)):
+                    chunk_tries = [tries[i] for i in chunk] if tries is not None else None
+                    for i, generation in zip(chunk, self._generate_batch([prompts[i] for i in chunk], sampling,
+                                                                         generator, chunk_tries)):
                         results[i] = generation
         finally:
             self.model.train(was_training)
         return results  # type: ignore[return-value]
 
     def _generate_batch(
-        self, prompts: list[list[int]], sampling: SamplingParams, generator: torch.Generator
+        self, prompts: list[list[int]], sampling: SamplingParams, generator: torch.Generator,
+        tries: list[ActionTrie | None] | None = None,
     ) -> list[Generation]:
         batch, width = len(prompts), max(len(p) for p in prompts)
         # Identical prompts (a group's G rollouts at turn 0, episodes that reached the same state) are prefilled
@@ -121,6 +132,7 @@ class TransformersEngine:
         eos_ids = self.eos_ids.to(device)                                       # [E]
         position_ids = (unique_mask.to(device).cumsum(dim=-1) - 1).clamp_min(0)  # [U, P] pads do not shift positions
         cache = DynamicCache()
+        nodes = [None if t is None else t.root for t in tries] if tries is not None else None  # [B] trie positions
 
         new_ids = torch.zeros((batch, sampling.max_new_tokens), dtype=torch.long, device=device)   # [B, T]
         new_logprobs = torch.zeros((batch, sampling.max_new_tokens), device=device)                # [B, T]
@@ -142,8 +154,12 @@ class TransformersEngine:
                     cache.reorder_cache(expand)                                 # [U, ...] -> [B, ...] rows copied
                     logits = logits[expand]                                     # [B, V]
                     position_ids = position_ids[expand]                         # [B, P]
+            if nodes is not None:                                               # only the trees' children remain
+                logits = mask_logits(logits, pad_allowed([list(n) if n else [] for n in nodes]).to(device))
             next_ids = sample_next(logits, sampling, generator)                 # [B]
             next_ids = torch.where(finished, torch.full_like(next_ids, self.pad_id), next_ids)
+            if nodes is not None:
+                nodes = [n.get(int(t)) if n else n for n, t in zip(nodes, next_ids.tolist())]
             logprobs = torch.log_softmax(logits, dim=-1).gather(-1, next_ids[:, None]).squeeze(-1)  # [B]
             new_ids[:, step] = next_ids
             new_logprobs[:, step] = logprobs

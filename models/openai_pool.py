@@ -264,12 +264,13 @@ class OpenAIUpstreamPool:
             raise ValueError("prompt_ids is empty: a prompt needs at least one token")
         return self.generate_many([prompt_ids], sampling, n)[0]
 
-    def generate_many(self, prompts: list[list[int]], sampling: SamplingParams, n: int = 1
-                      ) -> list[list[UpstreamResult]]:
+    def generate_many(self, prompts: list[list[int]], sampling: SamplingParams, n: int = 1,
+                      extra_body: dict[str, Any] | None = None) -> list[list[UpstreamResult]]:
         """``n`` completions of each prompt in ONE request (the completions API takes a list of token prompts;
         vLLM batches them in one scheduler pass, ~5-10x the throughput of one request per prompt on vLLM-CPU).
         vLLM seeds every prompt of a request alike: identical prompts then sample identically, so send a prompt
-        once with ``n`` (its n samples get distinct streams) rather than twice."""
+        once with ``n`` (its n samples get distinct streams) rather than twice. ``extra_body`` adds fields to the
+        request (e.g. ``vllm_xargs``)."""
         if n < 1:
             raise ValueError(f"n must be >= 1, got {n}")
         if not prompts or any(not p for p in prompts):
@@ -277,6 +278,7 @@ class OpenAIUpstreamPool:
         body = completion_request_body(prompts[0], sampling, n, self.model)
         if len(prompts) > 1:
             body["prompt"] = [[int(t) for t in p] for p in prompts]
+        body.update(extra_body or {})
         tried: set[int] = set()
         errors: list[str] = []
         for _ in range(self.max_retries + 1):

@@ -13,6 +13,7 @@ that is caught).
 """
 from __future__ import annotations
 
+import json
 import math
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -25,6 +26,9 @@ from models.checks import ConfigValueError, check_choice, check_config
 from models.engine import Generation, SamplingParams
 from models.forward import gather_logprobs
 from models.openai_pool import OpenAIUpstreamPool, UpstreamResponseError, UpstreamResult
+from models.portable.action_trie import ActionTrie, Choices, allowed_positions, pad_allowed
+
+CHOICES_XARG = "arlflow_action_choices"   # models/portable/arlflow_action_trie.py reads it from vllm_xargs
 
 ENGINE_KINDS = ("local", "vllm", "openai")
 RELOAD_MODES = ("none", "reload_weights")
@@ -136,61 +140,89 @@ class ServedEngine:
         self.prompt_tokens = 0
         self.sampled_tokens = 0
 
-    def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> list[Generation]:
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams,
+                 choices: list[Choices | None] | None = None) -> list[Generation]:
+        """As the Engine contract; ``choices[i]`` restricts prompt i to one of its token sequences through the
+        servers' action-trie logits processor (models/portable/arlflow_action_trie.py; managed servers load it,
+        user-run ones need CONSTRAINED_FLAGS of models/vllm_server.py). An answer off the tree means the server
+        ignored the constraint, and is refused."""
         for i, prompt in enumerate(prompts):
             if not prompt:
                 raise ValueError(f"prompt {i} is empty: a prompt needs at least one token (e.g. a bos or a system turn)")
-
-        results = (self._one_per_request(prompts, sampling) if self.prompts_per_request == 1
-                   else self._batched(prompts, sampling))
+        if choices is not None:
+            if len(choices) != len(prompts):
+                raise ValueError(f"{len(choices)} choice lists for {len(prompts)} prompts: one per prompt")
+            if any(c is not None for c in choices) and not (sampling.temperature in (0.0, 1.0)
+                                                            and sampling.top_p == 1.0):
+                raise ValueError("constrained decoding on served engines needs temperature 0 or 1 and top_p 1: "
+                                 "the servers return log-probs after the sampling transforms (processed_logprobs), "
+                                 f"got temperature {sampling.temperature}, top_p {sampling.top_p}")
+        keys = [None if c is None else json.dumps([[int(t) for t in seq] for seq in c]) for c in choices] \
+            if choices is not None else [None] * len(prompts)
+        results = (self._one_per_request(prompts, sampling, keys) if self.prompts_per_request == 1
+                   else self._batched(prompts, sampling, keys))
         generations = []
         for index, result in enumerate(results):
             if result.retokenized:
                 raise UpstreamResponseError(
                     f"upstream {result.upstream} answered text without token ids for prompt {index}: arlflow trains "
                     "on the sampled ids only; serve with vLLM (return_token_ids) or another token-id server")
+            if keys[index] is not None and ActionTrie(choices[index]).node(result.token_ids) is None:
+                raise UpstreamResponseError(
+                    f"upstream {result.upstream} answered {list(result.token_ids)} for prompt {index}, which is not "
+                    "one of its admissible actions: the server does not apply arlflow's action-trie logits "
+                    "processor; start it with --logits-processors arlflow_action_trie:ActionTrieLogitsProcessor "
+                    "--logprobs-mode processed_logprobs and models/portable on its PYTHONPATH")
             generations.append(Generation(list(result.token_ids), list(result.logprobs), result.finish_reason))
             self.prompt_tokens += len(prompts[index])
             self.sampled_tokens += len(result.token_ids)
         self.requests += len(prompts)
         return generations
 
-    def _one_per_request(self, prompts: list[list[int]], sampling: SamplingParams) -> list[UpstreamResult]:
+    def _one_per_request(self, prompts: list[list[int]], sampling: SamplingParams, keys: list[str | None]
+                         ) -> list[UpstreamResult]:
         def one(index: int) -> UpstreamResult:
-            return self.pool.generate(prompts[index], replace(sampling, seed=request_seed(sampling.seed, index)))[0]
+            return self.pool.generate_many([prompts[index]], replace(sampling, seed=request_seed(sampling.seed, index)),
+                                           extra_body=_xargs(keys[index]))[0][0]
 
         return list(self._executor.map(one, range(len(prompts))))
 
-    def _batched(self, prompts: list[list[int]], sampling: SamplingParams) -> list[UpstreamResult]:
-        """Identical prompts are sent once with n = their count (distinct streams for a group's samples; greedy:
-        n = 1, the one answer copied); the distinct prompts of one count go in requests of at most
-        prompts_per_request, each with its own seed."""
-        where: dict[tuple[int, ...], list[int]] = {}
+    def _batched(self, prompts: list[list[int]], sampling: SamplingParams, keys: list[str | None]
+                 ) -> list[UpstreamResult]:
+        """Identical (prompt, choices) pairs are sent once with n = their count (distinct streams for a group's
+        samples; greedy: n = 1, the one answer copied); the distinct prompts of one count and one choice list go
+        in requests of at most prompts_per_request, each with its own seed."""
+        where: dict[tuple[tuple[int, ...], str | None], list[int]] = {}
         for index, prompt in enumerate(prompts):
-            where.setdefault(tuple(prompt), []).append(index)
+            where.setdefault((tuple(prompt), keys[index]), []).append(index)
         greedy = sampling.temperature <= 0.0      # identical prompts decode identically; vLLM refuses greedy n > 1
-        by_count: dict[int, list[tuple[int, ...]]] = {}
-        for prompt, indices in where.items():
-            by_count.setdefault(1 if greedy else len(indices), []).append(prompt)
+        by_count: dict[tuple[int, str], list[tuple[tuple[int, ...], str | None]]] = {}
+        for item, indices in where.items():
+            by_count.setdefault((1 if greedy else len(indices), item[1] or ""), []).append(item)
         jobs = [(count, group[start:start + self.prompts_per_request])
-                for count, group in sorted(by_count.items())
+                for (count, _), group in sorted(by_count.items())
                 for start in range(0, len(group), self.prompts_per_request)]
 
         def run(job: int) -> list[list[UpstreamResult]]:
             count, group = jobs[job]
-            return self.pool.generate_many([list(p) for p in group],
-                                           replace(sampling, seed=request_seed(sampling.seed, job)), n=count)
+            return self.pool.generate_many([list(p) for p, _ in group],
+                                           replace(sampling, seed=request_seed(sampling.seed, job)), n=count,
+                                           extra_body=_xargs(group[0][1]))
 
         results: list[UpstreamResult | None] = [None] * len(prompts)
         for (count, group), answered in zip(jobs, self._executor.map(run, range(len(jobs)))):
-            for prompt, samples in zip(group, answered):
-                for k, index in enumerate(where[prompt]):
+            for item, samples in zip(group, answered):
+                for k, index in enumerate(where[item]):
                     results[index] = samples[0 if greedy else k]
         return results  # type: ignore[return-value]
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
         self.pool.close()
+
+
+def _xargs(key: str | None) -> dict[str, Any] | None:
+    return None if key is None else {"vllm_xargs": {CHOICES_XARG: key}}
 
 
 def probe_prompts(tokenizer, count: int) -> list[list[int]]:
@@ -204,38 +236,60 @@ def probe_prompts(tokenizer, count: int) -> list[list[int]]:
     return prompts
 
 
-def local_logprobs(model, prompt: list[int], sampled: list[int]) -> list[float]:
-    """log pi(sampled[t] | prompt + sampled[:t]) under the local ``model`` (temperature 1, float32)."""
+def local_logprobs(model, prompt: list[int], sampled: list[int], choices: Choices | None = None) -> list[float]:
+    """log pi(sampled[t] | prompt + sampled[:t]) under the local ``model`` (temperature 1, float32); with
+    ``choices``, under the constrained-decoding mask (models/portable/action_trie.py)."""
     if not sampled:
         return []
     ids = torch.tensor([prompt + sampled[:-1]], device=model.device)                 # [1, P+T-1]
     with torch.inference_mode():
         logits = model(input_ids=ids).logits.float()[:, len(prompt) - 1:, :]       # [1, T, V]
-    return gather_logprobs(logits, torch.tensor([sampled]))[0].tolist()
+    allowed = pad_allowed(allowed_positions(choices, sampled))[None] if choices else None   # [1, T, K]
+    return gather_logprobs(logits, torch.tensor([sampled]), allowed)[0].tolist()
 
 
-def verify_served_policy(engine: ServedEngine, model, *, prompts: int, tokens: int, tolerance: float
-                         ) -> dict[str, Any]:
+def probe_choices(tokenizer, probes: list[list[int]]) -> list[list[int]]:
+    """A fixed choice list for the constrained probe: short probe-token sequences, each ending with eos."""
+    eos = int(tokenizer.eos_token_id)
+    return [list(seq) for seq in dict.fromkeys(tuple(p[1:4]) + (eos,) for p in probes[:3])]
+
+
+def verify_served_policy(engine: ServedEngine, model, *, prompts: int, tokens: int, tolerance: float,
+                         constrained: bool = False) -> dict[str, Any]:
     """Greedy-sample ``tokens`` ids for ``prompts`` probe prompts from the servers and compare their log-probs with
-    the local ``model``'s forward. Returns {verify_prompts, verify_max_abs_diff, verify_s}; raises
-    PolicyMismatchError (with the worst prompt) above ``tolerance``."""
+    the local ``model``'s forward. With ``constrained``, the probes are also decoded under a fixed choice list and
+    compared with the local masked log-probs (a server without the action-trie processor answers off the list; one
+    without ``--logprobs-mode processed_logprobs`` returns unmasked log-probs). Returns {verify_prompts,
+    verify_max_abs_diff, verify_s}; raises PolicyMismatchError (with the worst prompt) above ``tolerance``."""
     started = time.perf_counter()
     probes = probe_prompts(engine.tokenizer, prompts)
     if not probes:
         return {"verify_prompts": 0, "verify_max_abs_diff": None, "verify_s": 0.0}
     was_training = model.training
     model.eval()
-    generations = engine.generate(probes, SamplingParams(max_new_tokens=tokens, temperature=0.0))
-    worst, worst_index = 0.0, 0
+    greedy = SamplingParams(max_new_tokens=tokens, temperature=0.0)
+    runs: list[tuple[Choices | None, list[Generation]]] = [(None, engine.generate(probes, greedy))]
+    if constrained:
+        choices = probe_choices(engine.tokenizer, probes)
+        runs.append((choices, engine.generate(probes, replace(greedy, max_new_tokens=max(len(c) for c in choices)),
+                                              choices=[choices] * len(probes))))
+    worst, worst_index, worst_masked = 0.0, 0, False
     try:
-        for index, (prompt, generation) in enumerate(zip(probes, generations)):
-            expected = local_logprobs(model, prompt, generation.token_ids)
-            for served, local in zip(generation.logprobs, expected):
-                gap = math.inf if math.isnan(served) else abs(served - local)
-                if gap > worst:
-                    worst, worst_index = gap, index
+        for choices, generations in runs:
+            for index, (prompt, generation) in enumerate(zip(probes, generations)):
+                expected = local_logprobs(model, prompt, generation.token_ids, choices)
+                for served, local in zip(generation.logprobs, expected):
+                    gap = math.inf if math.isnan(served) else abs(served - local)
+                    if gap > worst:
+                        worst, worst_index, worst_masked = gap, index, choices is not None
     finally:
         model.train(was_training)
+    if worst > tolerance and worst_masked:
+        raise PolicyMismatchError(
+            f"the servers' constrained log-probs differ from the policy's masked forward by {worst:.3g} on probe "
+            f"prompt {worst_index} (engine.verify_tolerance {tolerance:g}) while free decoding agrees: start them "
+            "with --logprobs-mode processed_logprobs (and the action-trie processor, models/vllm_server.py "
+            "CONSTRAINED_FLAGS), or use harness.action_space free")
     if worst > tolerance:
         raise PolicyMismatchError(
             f"the servers do not serve policy {engine.policy_version!r}: on probe prompt {worst_index} a served "

@@ -28,6 +28,7 @@ from models.forward import (LOGIT_FREE_AUX, entropy_at, logits_at, scatter_posit
                             shared_prefix_plan, token_logprobs)
 from models.layouts import RowSpec, collate_rows
 from models.losses import LossConfig, masked_token_mean, policy_objective
+from models.portable.action_trie import mask_logits
 
 AGGREGATED_METRICS = ("loss", "pg_loss", "kl_loss", "entropy")  # policy_objective terms reduced by `aggregation`
 
@@ -67,6 +68,8 @@ def _micro_objective(engine, part: dict[str, Tensor], loss: LossConfig, aux: Aux
         logits, hidden = shared_prefix_logits(engine, part, plan), None   # [N, V]
     else:
         logits, hidden = logits_at(engine, part, positions, want_hidden="seal" in names)  # [N, V], [b, l, H]
+    if "allowed_ids" in part:                                               # constrained decoding: same mask
+        logits = mask_logits(logits, part["allowed_ids"].to(logits.device)[positions.to(logits.device)])  # [N, V]
     picked_targets = part["target_ids"].to(logits.device)[positions.to(logits.device)]  # [N]
     token_logp = logits.gather(-1, picked_targets[:, None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)  # [N]
     logp = scatter_positions(token_logp, positions)                        # [b, l]
@@ -145,8 +148,9 @@ def _engine_settings(engine) -> dict[str, Any]:
 def _fingerprint(batch: dict[str, Tensor], settings: dict[str, Any]) -> str:
     """Identifies an rl_update call (rows + settings), so a checkpoint of another call is never resumed."""
     digest = hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode())
-    for name in ("input_ids", "attention_mask", "response_mask", "advantages", "old_logprobs"):
-        digest.update(batch[name].numpy().tobytes())
+    for name in ("input_ids", "attention_mask", "response_mask", "advantages", "old_logprobs", "allowed_ids"):
+        if name in batch:
+            digest.update(batch[name].numpy().tobytes())
     return digest.hexdigest()
 
 

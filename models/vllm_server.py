@@ -29,6 +29,11 @@ import json
 
 import httpx
 
+PORTABLE_DIR = Path(__file__).resolve().parent / "portable"
+CONSTRAINED_FLAGS = ("--logits-processors", "arlflow_action_trie:ActionTrieLogitsProcessor",
+                     "--logprobs-mode", "processed_logprobs")
+"""harness.action_space admissible: the action-trie logits processor (models/portable/, on the server's PYTHONPATH)
+and log-probs taken after it (masked and renormalized, as the trainer scores them)."""
 CPU_SAFE_FLAGS = ("--max-num-batched-tokens", "65536", "--max-num-seqs", "256", "--enforce-eager")
 """Flags every managed CPU server gets (see the module docstring for why)."""
 CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
@@ -67,8 +72,10 @@ class VLLMServer:
     def __init__(self, python: str | Path, model_dir: Path, served_name: str, log_path: Path, *, port: int = 0,
                  max_model_len: int = 1024, dtype: str = "float32", kv_cache_gb: int = 1,
                  gpu_memory_utilization: float = 0.0, extra_args: list[str] | tuple[str, ...] = (),
-                 cpu: bool | None = None, extra_env: dict[str, str] | None = None) -> None:
+                 cpu: bool | None = None, extra_env: dict[str, str] | None = None,
+                 constrained: bool = False) -> None:
         self.python = Path(python)
+        self.constrained = constrained
         self.model_dir = Path(model_dir)
         self.served_name = served_name
         self.log_path = Path(log_path)
@@ -100,6 +107,8 @@ class VLLMServer:
             cmd += list(CPU_SAFE_FLAGS)
         if self.gpu_memory_utilization:
             cmd += ["--gpu-memory-utilization", str(self.gpu_memory_utilization)]
+        if self.constrained:
+            cmd += list(CONSTRAINED_FLAGS)
         return cmd + self.extra_args
 
     def environment(self) -> dict[str, str]:
@@ -117,6 +126,8 @@ class VLLMServer:
             iomp = next(iter(self.python.parent.parent.glob("lib/libiomp5.so")), None)
             if iomp is not None:
                 env["LD_PRELOAD"] = str(iomp)
+        if self.constrained:
+            env["PYTHONPATH"] = str(PORTABLE_DIR)
         env.update(self.extra_env)
         return env
 

@@ -136,6 +136,7 @@ def evaluate_policy(engine: TransformersEngine, scenarios: list[Scenario], param
     sampling = replace(params.evaluate.sampling, seed=params.pipeline.seed)
     trajectories = run_episodes(engine, engine.tokenizer, scenarios, group_size=1, sampling=sampling,
                                 round_index=0, **episode_options(params, layout),
+                                action_space=params.harness.action_space,
                                 process_alpha=params.harness.process_alpha,
                                 skills_for=skill_slot(skills or [], params),
                                 skills_per_step=skills_per_step(params),

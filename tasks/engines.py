@@ -92,6 +92,7 @@ def open_engine(params: Params, layout: Layout, path: Path, version: str, produc
     """The engine serving the policy folder ``path`` as ``version`` for the stage ``stage``, and the handoff
     metrics ({engine, start_s, reload_s, verify_*, handoff_s}). Servers it started are stopped on exit."""
     cfg = params.engine
+    constrained = params.harness.action_space == "admissible"
     folder = require(path, produced_by)
     if cfg.kind == "local":
         yield load_engine(folder, version, produced_by), {"engine": "local"}
@@ -105,7 +106,8 @@ def open_engine(params: Params, layout: Layout, path: Path, version: str, produc
             servers = VLLMServers(
                 [VLLMServer(vllm_python(params, layout), folder, version, logs / f"{stage}-{i}.log",
                             max_model_len=cfg.max_model_len, dtype=cfg.dtype, kv_cache_gb=cfg.kv_cache_gb,
-                            gpu_memory_utilization=cfg.gpu_memory_utilization, extra_args=cfg.extra_args)
+                            gpu_memory_utilization=cfg.gpu_memory_utilization, extra_args=cfg.extra_args,
+                            constrained=constrained)
                  for i in range(cfg.servers)], startup_timeout_s=cfg.startup_timeout_s)
             stack.enter_context(servers)
             urls = servers.urls
@@ -126,7 +128,7 @@ def open_engine(params: Params, layout: Layout, path: Path, version: str, produc
         stats["model"] = pool.model
         if cfg.verify_prompts:
             stats.update(verify_served_policy(engine, model, prompts=cfg.verify_prompts, tokens=cfg.verify_tokens,
-                                              tolerance=cfg.verify_tolerance))
+                                              tolerance=cfg.verify_tolerance, constrained=constrained))
         else:
             stats.update(verify_prompts=0, verify_max_abs_diff=None, verify_s=0.0)
         del model

@@ -117,6 +117,7 @@ def run(params: Params, layout: Layout, round_index: int) -> dict[str, Any]:
             new = run_episodes(engine, engine.tokenizer, batch, group_size=cfg.group_size,
                                sampling=replace(sampling, seed=seed + 7919 * (batches - 1)),
                                round_index=round_index, **episode_options(params, layout),
+                               action_space=params.harness.action_space,
                                process_alpha=params.harness.process_alpha,
                                skills_for=program.skills_for if program.active else None,
                                skills_per_step=skills_per_step(params),

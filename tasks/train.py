@@ -70,9 +70,13 @@ def training_rows(frame: pd.DataFrame, cfg: TrainConfig, tokenizer, trials: pd.D
                                         advantage.process_weight, advantage.eps)
     if cfg.layout == "step_rows":
         rows = [TrainRow(list(r.prompt_ids), list(r.response_ids), list(r.logprobs),
-                         result.token_advantages[i, :len(r.response_ids)].tolist())
+                         result.token_advantages[i, :len(r.response_ids)].tolist(),
+                         [list(c) for c in r.action_choices] if len(r.action_choices) else None)
                 for i, r in enumerate(frame.itertuples(index=False))]
         return rows, result.metrics, result
+    if any(len(c) for c in frame["action_choices"]):
+        raise ValueError("train.layout concatenated cannot score constrained steps (harness.action_space "
+                         "admissible) under their masks yet: use train.layout step_rows")
     frame = frame.assign(_advantage=result.row_advantages.tolist())
     rows = []
     for _, steps in frame.sort_values(["trajectory_id", "step_index"]).groupby("trajectory_id", sort=False):

@@ -84,6 +84,8 @@ def step_records(draw, tid: str, group: str, index: int) -> StepRecord:
     values["tool_successes"] = min(values["tool_successes"], values["tool_calls"])
     values["macro_action_ids"] = draw(st.lists(ids, min_size=len(values["macro_prompt_ids"]),
                                                max_size=len(values["macro_prompt_ids"])))
+    if values["action_choices"]:  # a constrained step's response is on one of its choices
+        values["action_choices"] = [list(values["response_ids"]) + draw(ids)] + values["action_choices"]
     return StepRecord(**values)
 
 

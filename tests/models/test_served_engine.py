@@ -16,7 +16,7 @@ class FakePool:
         self.requests: list[tuple[list[list[int]], int, int | None]] = []
         self.retokenized = retokenized
 
-    def generate_many(self, prompts, sampling, n=1):
+    def generate_many(self, prompts, sampling, n=1, extra_body=None):
         self.requests.append(([list(p) for p in prompts], n, sampling.seed))
         return [[UpstreamResult(list(p), [p[0], k], [-0.5, -0.25], "length", retokenized=self.retokenized)
                  for k in range(n)] for p in prompts]

@@ -253,6 +253,37 @@ def test_two_pipeline_rounds_on_managed_vllm(project, tmp_path):
     assert all(session_pids(sid) == [] for sid in sessions)
 
 
+def test_constrained_decoding_on_managed_vllm_agrees_with_the_trainers_mask(project, tmp_path):
+    """harness.action_space admissible on engine.kind vllm (arlflow's action-trie logits processor, log-probs after
+    it): every response is one of its step's admissible actions, the served log-probs equal the policy's masked
+    forward and not its free one, the handoff's constrained probes pass, and the trainer sees no mismatch."""
+    layout = Layout(tmp_path)
+    for part in ("data/scenarios", "artifacts/policies/base", "artifacts/policies/warmstart", "artifacts/skills/round_0"):
+        shutil.copytree(project.root / part, tmp_path / part)
+    params = parse_params({**served("vllm"), "pipeline": {"rounds": 1, "seed": 3},
+                           "harness": {"action_space": "admissible"}})
+    run_stage_functions(params, layout, include=("rollout", "validate", "train"))
+    frame, _ = read_steps(layout.steps(1))
+    assert len(frame) > 0 and frame["action_valid"].all()
+    assert all(list(ids) in [list(c) for c in choices]
+               for ids, choices in zip(frame["response_ids"], frame["action_choices"]))
+    model, _ = load_policy(layout.policy("warmstart"))
+    masked, free = 0.0, 0.0
+    for _, row in frame.head(24).iterrows():
+        choices = [list(c) for c in row["action_choices"]]
+        local = local_logprobs(model, list(row["prompt_ids"]), list(row["response_ids"]), choices)
+        unmasked = local_logprobs(model, list(row["prompt_ids"]), list(row["response_ids"]))
+        masked = max(masked, max(abs(a - b) for a, b in zip(row["logprobs"], local)))
+        free = max(free, max(abs(a - b) for a, b in zip(row["logprobs"], unmasked)))
+    print(f"constrained vLLM: served vs masked forward {masked:.2e}, vs free forward {free:.2e}")
+    assert masked < 1e-4 < 1e-3 < free
+    metrics = _json(layout.round_metrics(1, "rollout"))["engine"]
+    assert metrics["verify_max_abs_diff"] < 1e-4
+    train = _json(layout.round_metrics(1, "train"))
+    assert train["logp_mismatch_max"] < 1e-4, train["logp_mismatch_max"]
+    assert all(session_pids(sid) == [] for sid in logged_sessions(layout.logs_dir / "vllm"))
+
+
 def _completions(log: Path) -> int:
     return log.read_text(errors="replace").count("POST /v1/completions")
 
