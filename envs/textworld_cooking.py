@@ -9,7 +9,9 @@ and their generation live in ``envs.textworld_games``. ``reset`` generates a mis
 Observation (``verbosity="short"``): the feedback without banner, prompt and status bar, on one line; a room
 description (reset, ``look``, moves) becomes a summary of TextWorld's state facts (furniture, visible contents,
 exits): every object and exit, none of the flavour sentences. ``"full"``: TextWorld's own text, minus the chrome.
-Actions: TextWorld's admissible commands (sorted); other text is an invalid action, not sent to the game.
+Actions: TextWorld's admissible commands (sorted), matched ignoring case and extra whitespace and sent in TextWorld's
+own spelling (``cook carrot with bbq`` plays ``cook carrot with BBQ``: TextWorld compares commands case-sensitively);
+other text is an invalid action, not sent to the game.
 Rewards: the increase of TextWorld's cumulative score / max score, so a won episode's rewards sum to 1.0 (each point
 is a subgoal: take an ingredient, cook or cut it, prepare the meal, eat it); ``subgoals_done``/``subgoals_total``
 are score/max score. TextWorld's ``won``/``lost`` terminate. Games run in-process (Jericho loads a private copy of
@@ -125,6 +127,14 @@ def shorten_feedback(feedback: str, facts: Iterable[Any]) -> str:
     return " ".join(text.split())
 
 
+def admissible_spelling(command: str, admissible: Iterable[str]) -> str | None:
+    """The admissible command that ``command`` names, ignoring case and extra whitespace, spelled as in
+    ``admissible`` (``"Cook carrot with  bbq"`` -> ``"cook carrot with BBQ"``); None when there is none."""
+    wanted = " ".join(command.split()).lower()
+    matches = (c for c in sorted(admissible) if " ".join(c.split()).lower() == wanted)
+    return next(matches, None) if wanted else None
+
+
 def short_hash(text: str, n: int = 10) -> str:
     return hashlib.sha1(text.encode("utf-8")).hexdigest()[:n]
 
@@ -194,9 +204,10 @@ class TextWorldCooking:
             raise RuntimeError("textworld_cooking: step() before reset(); call reset(seed=...) first")
         if self._done:
             raise RuntimeError("textworld_cooking: the episode is over; call reset() before stepping again")
-        command = " ".join(action.lower().split()) if isinstance(action, str) else ""
+        admissible = self._state["admissible_commands"]
+        command = admissible_spelling(action, admissible) if isinstance(action, str) else None
         self._steps += 1
-        if command in self._state["admissible_commands"]:
+        if command is not None:
             before = self._state["score"]
             self._state, _, _ = self._tw.step(command)
             self._history.append(command)
@@ -219,20 +230,20 @@ class TextWorldCooking:
     def expert_action(self) -> str | None:
         """Next command of TextWorld's walkthrough while the episode has followed it exactly; otherwise read the
         cookbook if not yet done and visible, then TextWorld's winning policy from the current state
-        (``policy_commands``). None when the episode is over or no policy applies."""
+        (``policy_commands``). None when the episode is over or no policy applies. Spelled as the admissible
+        command it names."""
         if self._tw is None or self._done:
             return None
         admissible = self._state["admissible_commands"]
         walkthrough = self._state["extra.walkthrough"]
         n = len(self._history)
-        if n < len(walkthrough) and self._history == walkthrough[:n] and walkthrough[n] in admissible:
-            return walkthrough[n]
-        if not self._read_cookbook and "examine cookbook" in admissible:
-            return "examine cookbook"
+        followed = n < len(walkthrough) and [c.lower() for c in self._history] == [c.lower() for c in walkthrough[:n]]
+        if followed and (step := admissible_spelling(walkthrough[n], admissible)):
+            return step
+        if not self._read_cookbook and (book := admissible_spelling("examine cookbook", admissible)):
+            return book
         policy = self._state["policy_commands"] or []
-        if policy and policy[0] in admissible:
-            return policy[0]
-        return None
+        return admissible_spelling(policy[0], admissible) if policy else None
 
     def scenario_key_before_reset(self, *, seed: int | None = None, options: dict | None = None) -> str:
         """The key of the game ``reset(seed=seed, options=options)`` would play, without generating it (module

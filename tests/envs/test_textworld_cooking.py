@@ -10,6 +10,7 @@ import pytest
 from textworld.challenges.tw_cooking.cooking import FOODS_SPLITS
 from textworld.logic import Proposition, Variable
 
+from agents.parser import parse_action
 from envs import ENVS, make_env, make_scenarios
 from envs.scenarios import expert_trajectory
 from envs.textworld_cooking import INVALID_FEEDBACK, TextWorldCooking, shorten_feedback, summarize_room
@@ -17,6 +18,8 @@ from envs.textworld_games import CookingSettings, game_file_problem, game_path, 
 
 DEFAULT = CookingSettings()
 HARD = dict(recipe=2, take=2, go=6, open=True, cook=True, cut=True)
+BBQ = dict(go=9, cook=True)  # 9+ rooms bring the backyard and its BBQ: grilled recipes ("cook x with BBQ")
+BBQ_HARD = dict(recipe=2, take=2, go=9, open=True, cook=True, cut=True)
 
 
 @pytest.fixture(scope="session")
@@ -147,6 +150,38 @@ def test_admissible_actions_and_invalid_actions(make):
     assert info["steps"] == 4
     obs, reward, _, _, info = env.step("  Examine   COOKBOOK ")
     assert info["action_valid"] is True and reward == 0.0 and obs.startswith("Recipe. Ingredients:")
+
+
+@pytest.mark.parametrize("kwargs, seed, split", [(BBQ, 7, "train"), (BBQ, 0, "heldout"), (BBQ_HARD, 0, "train")],
+                         ids=["bbq-train", "bbq-heldout", "bbq-hard"])
+def test_expert_wins_games_that_need_the_bbq(make, games_dir, kwargs, seed, split):
+    # TextWorld's commands are case-sensitive ("cook pork chop with BBQ"): a lowercased one used to be invalid
+    env = make(**kwargs)
+    rewards, infos = play_expert(env, seed, split)
+    walkthrough = metadata(game_path(games_dir, seed, split, env.settings))["walkthrough"]
+    assert any(command.endswith(" with BBQ") for command in walkthrough)  # the recipe grills
+    assert all(info["action_valid"] for info in infos) and infos[-1]["won"]
+    assert sum(rewards) == pytest.approx(1.0)
+
+
+def test_commands_match_case_insensitively_and_are_sent_in_textworlds_spelling(make, monkeypatch):
+    env = make(**BBQ)
+    _, info = env.reset(seed=7)  # walkthrough: ..., take chicken leg from fridge, go west, cook chicken leg with BBQ
+    while "cook chicken leg with BBQ" not in info["admissible_actions"]:
+        _, _, _, _, info = env.step(env.expert_action())
+    assert env.expert_action() == "cook chicken leg with BBQ"
+    assert parse_action("Cook chicken leg with bbq.", info["admissible_actions"]) == ("cook chicken leg with BBQ", True)
+    sent: list[str] = []
+    step = env._tw.step
+    monkeypatch.setattr(env._tw, "step", lambda command: sent.append(command) or step(command))
+    for bad in ["cook chicken leg with grill", "cook chicken leg with bbq please", "bbq"]:
+        assert env.step(bad)[4]["action_valid"] is False
+    assert sent == []  # invalid commands never reach the game
+    obs, _, _, _, info = env.step("examine  bbq")
+    assert info["action_valid"] is True and sent == ["examine BBQ"] and "grilling" in obs
+    obs, reward, _, _, info = env.step("COOK chicken leg WITH bbq")
+    assert info["action_valid"] is True and sent[-1] == "cook chicken leg with BBQ"
+    assert reward > 0 and "grilled" in obs
 
 
 def test_lost_terminates_without_win(make, games_dir):
