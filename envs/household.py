@@ -1,15 +1,19 @@
 """Household: procedurally generated ALFWorld-style homes as a text env (world and expert in envs/household_world.py).
 
 A home has ``rooms`` rooms (kitchen, living room, bedroom, bathroom) full of numbered receptacles and objects; the
-task is one of ALFWorld's six types, e.g. ``Your task is to: put a clean plate in shelf 1.`` Actions (ALFWorld's
-language)::
+task is one of ALFWorld's six types and, as in ALFWorld, names a receptacle type, e.g. ``Your task is to: put a
+clean plate in shelf.``: any shelf takes the win. Actions (ALFWorld's language)::
 
     go to <recep>   open <recep>   close <recep>   take <obj> from <recep>   put <obj> in <recep>
     clean <obj> with <sinkbasin>   heat <obj> with <microwave>   cool <obj> with <fridge>
-    use <desklamp>   examine <obj>   look   inventory
+    use <desklamp>   examine <obj>   examine <recep>   look   inventory
 
 ``go to`` reaches any receptacle of the home in one step (as in ALFWorld); observations say which room it is in.
-Closed cabinets, drawers, fridges and microwaves hide their contents until opened. The agent carries one object.
+``rooms=1`` (kwarg or reset option) is ALFWorld's scene shape: one room, every receptacle one ``go to`` away, no
+other room in any text. Closed cabinets, drawers, fridges and microwaves hide their contents until opened (``examine
+<recep>`` at a closed one says so). ``use`` toggles a desk lamp on and off; a look task is won only while a lamp is
+on where the agent holds the object. The agent carries one object. tests/envs/test_household.py checks the rules
+against ALFWorld's PDDL preconditions and effects.
 An action is valid iff it is in ``info["admissible_actions"]``; anything else is an invalid action (state unchanged,
 reward ``-invalid_penalty``, the step still counts); case, extra spaces, a final period and ``put x on y`` are
 forgiven. Reward 1.0 when the task is done (terminated, ``won``). ``info["subgoals_done"]`` is the running maximum
@@ -32,6 +36,7 @@ from envs.household_world import State, World, is_open, rtype
 
 RESET_OPTIONS: tuple[str, ...] = ("rooms", "distractors", "max_steps", "task_type", "split")
 VERBOSITIES: tuple[str, ...] = ("short", "full")
+_TASK_ADJECTIVE = {"clean": "clean", "heat": "hot", "cool": "cool"}  # ALFWorld's goal words ("put a cool apple in")
 _PUT_ON = re.compile(r"^(put \w+ \d+) on ")
 _PARSE = re.compile(r"^(?:(go to|open|close|use|examine) (\w+ \d+)|(take) (\w+ \d+) from (\w+ \d+)"
                     r"|(put) (\w+ \d+) (?:in|on) (\w+ \d+)|(clean|heat|cool) (\w+ \d+) with (\w+ \d+))$")
@@ -48,16 +53,19 @@ def contents(world: World, state: State, recep: str) -> list[str]:
     return lamps + sorted(o for o, r in state.where.items() if r == recep)
 
 
+def _inside(world: World, state: State, recep: str) -> str:
+    """``In it: egg 1.`` / ``On it: nothing.``, or ``The fridge 1 is closed.``"""
+    if not is_open(state, recep):
+        return f"The {recep} is closed."
+    word = "In" if rtype(recep) in hw.OPENABLE or rtype(recep) in ("sinkbasin", "garbagecan") else "On"
+    return f"{word} it: {_join(contents(world, state, recep))}."
+
+
 def describe_location(world: World, state: State) -> str:
     """``You are in the kitchen at fridge 1. In it: egg 1.`` (or the room overview when at no receptacle)."""
     if state.loc is None:
         return room_overview(world, state)
-    recep = state.loc
-    head = f"You are in the {world.recep_room[recep]} at {recep}."
-    if not is_open(state, recep):
-        return f"{head} The {recep} is closed."
-    word = "In" if rtype(recep) in hw.OPENABLE or rtype(recep) in ("sinkbasin", "garbagecan") else "On"
-    return f"{head} {word} it: {_join(contents(world, state, recep))}."
+    return f"You are in the {world.recep_room[state.loc]} at {state.loc}. {_inside(world, state, state.loc)}"
 
 
 def _compress(names: list[str]) -> str:
@@ -87,7 +95,15 @@ def room_overview(world: World, state: State, *, all_rooms: bool = False) -> str
     return f"{head} Other rooms: {', '.join(others)}." if others else head
 
 
-def examine_text(world: World, state: State, obj: str) -> str:
+def examine_text(world: World, state: State, thing: str) -> str:
+    """What ``examine`` says of a receptacle (its contents, if open), a lamp (on or off) or an object (its state)."""
+    if thing in world.recep_room:
+        is_openable_and_open = rtype(thing) in hw.OPENABLE and thing in state.opened
+        return " ".join([f"You examine the {thing}.", *([f"The {thing} is open."] if is_openable_and_open else []),
+                         _inside(world, state, thing)])
+    if thing in world.lamps:
+        return f"The {thing} is {'on' if thing in state.lamps_on else 'off'}."
+    obj = thing
     words = [hw.STATE_WORD[p] for p in ("clean", "heat", "cool") if obj in state.states[p]]
     if state.held == obj and hw.lit_here(world, state):
         return f"You examine the {obj} under the desklamp light."
@@ -103,6 +119,7 @@ def admissible_actions(world: World, state: State) -> list[str]:
         actions.append(f"examine {held}")
     if loc is not None:
         kind = rtype(loc)
+        actions.append(f"examine {loc}")
         if kind in hw.OPENABLE:
             actions.append(f"{'close' if loc in state.opened else 'open'} {loc}")
         if is_open(state, loc):
@@ -115,7 +132,8 @@ def admissible_actions(world: World, state: State) -> list[str]:
         process = hw.PROCESS_AT.get(kind)
         if held is not None and process and hw.supports(rtype(held), process):
             actions.append(f"{process} {held} with {loc}")
-        actions += [f"use {lamp}" for lamp, host in world.lamps.items() if host == loc]
+        for lamp in (lamp for lamp, host in world.lamps.items() if host == loc):
+            actions += [f"use {lamp}", f"examine {lamp}"]
     return sorted(actions)
 
 
@@ -143,11 +161,9 @@ def apply_action(world: World, state: State, action: str) -> str:
     if verb == "put":
         state.held, state.where[args[0]] = None, args[1]
         return f"You put the {args[0]} in the {args[1]}."
-    if verb == "use":
-        if args[0] in state.lamps_on:
-            return f"The {args[0]} is already on."
-        state.lamps_on.add(args[0])
-        return f"You turn on the {args[0]}."
+    if verb == "use":  # a toggle, as ALFWorld's ToggleObject
+        state.lamps_on ^= {args[0]}
+        return f"You turn {'on' if args[0] in state.lamps_on else 'off'} the {args[0]}."
     if verb == "examine":
         return examine_text(world, state, args[0])
     obj = args[0]  # clean / heat / cool: heat and cool undo each other
@@ -166,6 +182,8 @@ def invalid_reason(world: World, state: State, action: str) -> str:
     groups = [g for g in match.groups() if g is not None]
     verb, args = groups[0], groups[1:]
     recep = None if verb in ("examine", "use") else args[-1]
+    if verb == "examine" and args[0] in world.recep_room:
+        recep = args[0]
     if recep is not None and recep not in world.receptacles:
         return f"Nothing happens. There is no {recep} in this home."
     if verb == "go to":
@@ -291,10 +309,10 @@ class HouseholdText:
         if task.task_type == "look_at_obj_in_light":
             return f"Your task is to: examine the {obj} with the desklamp."
         if task.task_type == "pick_two_obj_and_place":
-            return f"Your task is to: put two {obj} in {task.target}."
-        adjective = f"{hw.STATE_WORD[task.process]} " if task.process else ""
+            return f"Your task is to: put two {obj} in {task.target_type}."
+        adjective = f"{_TASK_ADJECTIVE[task.process]} " if task.process else ""
         article = "an" if (adjective or obj)[0] in "aeiou" else "a"
-        return f"Your task is to: put {article} {adjective}{obj} in {task.target}."
+        return f"Your task is to: put {article} {adjective}{obj} in {task.target_type}."
 
     def expert_action(self) -> str | None:
         """Next action of the omniscient planner from the current state; None before reset or once done."""

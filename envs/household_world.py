@@ -4,7 +4,11 @@ A home is a few rooms (always in ``ROOM_TYPES`` order), each built from a layout
 types with count ranges. Receptacles and objects are numbered per type across the whole home (``cabinet 1`` ..
 ``cabinet 5`` may span the kitchen and the bathroom). A desk lamp stands on the bedroom's desk and on the living
 room's side table. Movement is ALFWorld's: ``go to`` reaches any receptacle of the home in one step; rooms only say
-where a receptacle is.
+where a receptacle is. A one-room home is ALFWorld's scene shape (one room, no room in the text but its name).
+
+Goals are ALFWorld's: a task names a receptacle *type* (``put a vase in shelf``) and any receptacle of that type
+takes the win; two objects (pick_two) must share one receptacle. Task objects never start in a target-type
+receptacle, so no task is won at the start.
 
 Splits, like ALFWorld's seen/unseen: the (object type, target receptacle type) pairs are partitioned once, by a
 fixed hash (``"desklamp"`` is the target type of look tasks); in each target type's group, sorted by that hash, every
@@ -151,12 +155,12 @@ def combo_split(obj_type: str, target_type: str) -> str:
 
 @dataclass(frozen=True)
 class Task:
-    """What to achieve: ``count`` objects of ``obj_type``, ``process``-ed, in ``target`` (or looked at in light)."""
+    """What to achieve: ``count`` objects of ``obj_type``, ``process``-ed, in one receptacle of ``target_type``
+    (any of them), or an ``obj_type`` object held at a lit desk lamp."""
 
     task_type: str
     obj_type: str
     target_type: str  # receptacle type, or "desklamp" for look_at_obj_in_light
-    target: str | None  # receptacle name ("shelf 1"); None for look_at_obj_in_light
     count: int
     process: str | None  # "clean" | "heat" | "cool" | None
 
@@ -215,11 +219,12 @@ def _build_receptacles(rng: random.Random, rooms: list[str], templates: list[int
 
 
 def _feasible(combo: tuple[str, str], type_counts: dict[str, int], has_lamp: bool) -> bool:
+    """The home has the target type (or a lamp) and a place for the object outside every target-type receptacle."""
     obj_type, target_type = combo
-    spots = sum(type_counts.get(r, 0) for r in OBJECTS[obj_type][0])
+    starts = sum(type_counts.get(r, 0) for r in OBJECTS[obj_type][0] if r != target_type)
     if target_type == LAMP_TARGET:
-        return has_lamp and spots > 0
-    return target_type in type_counts and spots - (target_type in OBJECTS[obj_type][0]) > 0
+        return has_lamp and starts > 0
+    return target_type in type_counts and starts > 0
 
 
 def generate_world(seed: int | None, *, rooms: int, distractors: int, task_type: str | None,
@@ -248,14 +253,10 @@ def generate_world(seed: int | None, *, rooms: int, distractors: int, task_type:
         if room in LAMP_HOST:
             host = next(r for r in receptacles if recep_room[r] == room and rtype(r) == LAMP_HOST[room])
             lamps[f"desklamp {len(lamps) + 1}"] = host
-    target = None
-    if target_type != LAMP_TARGET:
-        spots_of = [r for r in receptacles if rtype(r) in OBJECTS[obj_type][0]]
-        target = rng.choice([r for r in receptacles if rtype(r) == target_type and set(spots_of) - {r}])
     pick_two = task_type == "pick_two_obj_and_place"
     n_task_objects = (2 if pick_two else 1) + (rng.random() < 0.3)
-    placements = [(obj_type, rng.choice([r for r in receptacles if rtype(r) in OBJECTS[obj_type][0] and r != target]))
-                  for _ in range(n_task_objects)]
+    starts = [r for r in receptacles if rtype(r) in OBJECTS[obj_type][0] and rtype(r) != target_type]
+    placements = [(obj_type, rng.choice(starts)) for _ in range(n_task_objects)]
     pool = [t for t in OBJECTS if t != obj_type and any(r in type_counts for r in OBJECTS[t][0])]
     for _ in range(distractors):
         kind = rng.choice(pool)
@@ -265,8 +266,8 @@ def generate_world(seed: int | None, *, rooms: int, distractors: int, task_type:
     for kind, recep in placements:
         counters[kind] = counters.get(kind, 0) + 1
         initial[f"{kind} {counters[kind]}"] = recep
-    task = Task(task_type=task_type, obj_type=obj_type, target_type=target_type, target=target,
-                count=2 if pick_two else 1, process=PROCESS_OF_TASK.get(task_type))
+    task = Task(task_type=task_type, obj_type=obj_type, target_type=target_type, count=2 if pick_two else 1,
+                process=PROCESS_OF_TASK.get(task_type))
     start_room = rng.choice(room_list)
     digest = repr((room_list, templates, receptacles, sorted(lamps.items()), sorted(initial.items()), task,
                    start_room))
@@ -291,10 +292,19 @@ def lit_here(world: World, state: State) -> bool:
     return any(host == state.loc and lamp in state.lamps_on for lamp, host in world.lamps.items())
 
 
+def targets(world: World) -> list[str]:
+    """The receptacles of the task's target type (any of them takes the win)."""
+    return [r for r in world.receptacles if rtype(r) == world.task.target_type]
+
+
+def placed_in(world: World, state: State, recep: str) -> int:
+    """How many counting objects are in ``recep``."""
+    return sum(1 for obj, where in state.where.items() if where == recep and counts(world.task, state, obj))
+
+
 def placed(world: World, state: State) -> int:
-    """How many counting objects are in the task's target receptacle."""
-    target = world.task.target
-    return sum(1 for obj, recep in state.where.items() if recep == target and counts(world.task, state, obj))
+    """The most counting objects in any one target-type receptacle (ALFWorld's pick_two wants both in one)."""
+    return max((placed_in(world, state, r) for r in targets(world)), default=0)
 
 
 def is_won(world: World, state: State) -> bool:
@@ -306,7 +316,7 @@ def is_won(world: World, state: State) -> bool:
 
 def subgoal_names(task: Task) -> list[str]:
     """Short names of the task's subgoals, in order."""
-    obj, target = task.obj_type, task.target
+    obj, target = task.obj_type, task.target_type
     if task.task_type == "look_at_obj_in_light":
         return [f"take {obj}", "use desklamp"]
     if task.task_type == "pick_two_obj_and_place":
@@ -335,6 +345,16 @@ def _pick(options: list[str], world: World, state: State) -> str:
     return min(options, key=lambda r: (world.recep_room[r] != state.room, r))
 
 
+def _target(world: World, state: State) -> str:
+    """The target-type receptacle the expert fills: the one holding the most counting objects, then, carrying one,
+    the nearest (here, open, this room); ties by name. Empty-handed the choice ignores where the agent is, so the
+    object it fetches never makes it change its mind."""
+    def key(recep: str) -> tuple:
+        near = (recep != state.loc, not is_open(state, recep), world.recep_room[recep] != state.room)
+        return (-placed_in(world, state, recep), near if state.held is not None else (), recep)
+    return min(targets(world), key=key)
+
+
 def _reach(state: State, recep: str) -> str | None:
     """Action that brings ``recep`` within reach (go there, then open it); None once it is reachable."""
     if state.loc != recep:
@@ -361,14 +381,16 @@ def expert_action(world: World, state: State) -> str | None:
             if state.loc != appliance:
                 return f"go to {appliance}"
             return f"{task.process} {held} with {appliance}"
-        return _reach(state, task.target) or f"put {held} in {task.target}"
+        target = _target(world, state)
+        return _reach(state, target) or f"put {held} in {target}"
     if held is not None:  # a wrong object: put it down right here (or at the nearest open-topped receptacle)
         if state.loc is None:
             spots = [r for r in world.receptacles if rtype(r) not in OPENABLE]
             return f"go to {_pick(spots, world, state)}"
         return _reach(state, state.loc) or f"put {held} in {state.loc}"
+    target = _target(world, state) if task.task_type != "look_at_obj_in_light" else None
     wanted = [o for o, r in state.where.items()
-              if rtype(o) == task.obj_type and not (r == task.target and counts(task, state, o))]
+              if rtype(o) == task.obj_type and not (r == target and counts(task, state, o))]
     if not wanted:
         return None
 
