@@ -19,6 +19,18 @@ leaf, or any other text is an invalid action: no move, reward ``-invalid_penalty
 Reward 1.0 on reaching the goal leaf (terminates, ``won``); 0.0 otherwise. ``max_steps`` defaults to
 ``2 * depth * branching``.
 
+Experts (``expert``, default ``DEFAULT_EXPERT``): ``"dfs"`` searches as an agent could, knowing only what this
+episode has shown: at a node it takes the ``high`` child if that subtree is not yet explored, else the first
+unexplored child in order ``1..k``, else ``back``; a dead end is ``back``. A subtree is explored once every leaf below
+it was seen. Followed from the start it wins within ``2 * (nodes - 1) - depth`` steps (``tree_nodes``), so
+``max_steps >= 2 * nodes`` guarantees a win; at the default limit it loses trees whose hints mislead it high up.
+``"oracle"`` knows the goal and walks the shortest path to it: it never goes ``back`` unless the agent strayed, so
+its demonstrations teach no backtracking.
+What a learner needs to imitate ``dfs``: with ``"full"`` the current observation is enough (on the expert's own
+path the visited children are the explored ones); with ``"short"`` the same observation can ask for different
+moves (first arrival vs. back from a child), and the previous turn settles it: after ``back`` from child ``c``
+(the last number of that node's name) the move is the child after ``c`` in the order high, then ``1..k``.
+
 Depth curriculum: reset options ``min_depth`` and ``max_depth`` (together) draw the depth per seed, uniformly in
 ``[min_depth, max_depth]``; or pass ``depth`` for a fixed one. Anchor: tree id (seed, shape, accuracy) + node path.
 Scenario key (``scenario_key``): the whole tree an agent can explore: shape, step limit, goal leaf and the ``high``
@@ -29,6 +41,7 @@ Pure module: no Prefect, MLflow, DVC or file I/O.
 from __future__ import annotations
 
 import hashlib
+from typing import Collection
 
 import numpy as np
 
@@ -36,6 +49,8 @@ from envs.base import check_reset_options, register_env
 
 RESET_OPTIONS: tuple[str, ...] = ("depth", "branching", "min_depth", "max_depth")
 VERBOSITIES: tuple[str, ...] = ("short", "full")
+EXPERTS: tuple[str, ...] = ("dfs", "oracle")
+DEFAULT_EXPERT = "oracle"  # not "dfs" yet: it loses trees at the default max_steps, and require_win demos refuse them
 MAX_BRANCHING = 9  # child numbers stay single digits
 KEY_MAX_NODES = 4096  # scenario_key lists every inner node's hint up to this many inner nodes
 _GOAL, _HINT, _DEPTH = 0, 1, 2  # first seed words after the seed, so goal, hint and depth draws never share a stream
@@ -73,6 +88,23 @@ def expert_path(node: Path, goal: Path) -> list[str]:
     return ["back"] * (len(node) - common) + [f"child {i}" for i in goal[common:]]
 
 
+def tree_nodes(branching: int, depth: int) -> int:
+    """Nodes of the tree, root and leaves included."""
+    return sum(branching ** level for level in range(depth + 1))
+
+
+def dfs_move(node: Path, *, branching: int, depth: int, high: int | None, explored: Collection[int]) -> str | None:
+    """The hint-first depth-first move at ``node``: the ``high`` child unless explored, else the first unexplored
+    child in ``1..branching``, else ``back``; ``back`` at a leaf. None at a fully explored root (no move left)."""
+    if len(node) == depth:
+        return "back"
+    order = [high] + [i for i in range(1, branching + 1) if i != high]
+    child = next((i for i in order if i not in explored), None)
+    if child is not None:
+        return f"child {child}"
+    return "back" if node else None
+
+
 def parse_action(text: str, branching: int) -> str | int | None:
     """``"back"``, a child number in ``1..branching``, or None for anything else."""
     words = text.strip().lower().split() if isinstance(text, str) else []
@@ -88,7 +120,7 @@ class TreeSearchText:
     """The tree-search game behind the text-env contract (see envs/base.py and the module docstring)."""
 
     def __init__(self, branching: int = 3, depth: int = 3, hint_accuracy: float = 0.8, max_steps: int | None = None,
-                 invalid_penalty: float = 0.0, verbosity: str = "short") -> None:
+                 invalid_penalty: float = 0.0, verbosity: str = "short", expert: str = DEFAULT_EXPERT) -> None:
         _check_shape(branching, depth)
         if not 0.0 <= hint_accuracy <= 1.0:
             raise ValueError(f"tree_search: hint_accuracy must be in [0, 1], got {hint_accuracy}")
@@ -96,10 +128,13 @@ class TreeSearchText:
             raise ValueError(f"tree_search: max_steps must be >= 1 or None (2 * depth * branching), got {max_steps}")
         if verbosity not in VERBOSITIES:
             raise ValueError(f"tree_search: unknown verbosity {verbosity!r}; valid: {list(VERBOSITIES)}")
+        if expert not in EXPERTS:
+            raise ValueError(f"tree_search: unknown expert {expert!r}; valid: {list(EXPERTS)}")
         self.branching, self.depth, self.hint_accuracy = int(branching), int(depth), float(hint_accuracy)
         self.max_steps = max_steps
         self.invalid_penalty = float(invalid_penalty)
         self.verbosity = verbosity
+        self.expert = expert
         self._seed = 0
         self._k = self._d = 0  # this episode's branching and depth
         self._limit = 0  # this episode's max_steps
@@ -153,10 +188,15 @@ class TreeSearchText:
                 f"the high signal usually leads to the goal. Actions: child <number>, back.")
 
     def expert_action(self) -> str | None:
-        """Next move of the shortest path to the goal (the expert knows where it is); None once done."""
+        """The ``expert``'s next move (module docstring); None once done."""
         if not self._tree_id or self._done:
             return None
-        return expert_path(self._node, self._goal)[0]
+        if self.expert == "oracle":
+            return expert_path(self._node, self._goal)[0]
+        leaf = len(self._node) == self._d
+        explored = {i for i in range(1, self._k + 1) if self._explored(self._node + (i,))} if not leaf else set()
+        return dfs_move(self._node, branching=self._k, depth=self._d, high=None if leaf else self._hint(self._node),
+                        explored=explored)
 
     def scenario_key(self) -> str:
         """Shape, step limit, goal and every inner node's hint, in breadth-first order (module docstring)."""
@@ -178,6 +218,12 @@ class TreeSearchText:
         if path not in self._hints:
             self._hints[path] = draw_hint(self._seed, path, self._goal, self._k, self.hint_accuracy)
         return self._hints[path]
+
+    def _explored(self, path: Path) -> bool:
+        """Whether every leaf below ``path`` was seen this episode (only visited nodes are walked)."""
+        if path not in self._visited:
+            return False
+        return len(path) == self._d or all(self._explored(path + (i,)) for i in range(1, self._k + 1))
 
     def _admissible(self) -> list[str]:
         children = [f"child {i}" for i in range(1, self._k + 1)] if len(self._node) < self._d else []

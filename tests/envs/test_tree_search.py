@@ -1,11 +1,15 @@
-"""TreeSearchText: moves and backtracking, hint statistics, expert, depth curriculum, anchors, truncation."""
+"""TreeSearchText: moves and backtracking, hint statistics, experts (DFS, oracle), depth curriculum, anchors,
+truncation, and what each verbosity lets a learner see of the DFS expert's choice."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
+import envs.tree_search as tree_search
+from agents.demos import expert_texts
 from envs import ENVS, make_env, make_scenarios
-from envs.scenarios import expert_trajectory
-from envs.tree_search import TreeSearchText, draw_goal, draw_hint, expert_path, parse_action
+from envs.scenarios import expert_steps, expert_trajectory
+from envs.tree_search import TreeSearchText, dfs_move, draw_goal, draw_hint, expert_path, parse_action, tree_nodes
 
 
 def high_child(obs: str) -> int:
@@ -94,10 +98,10 @@ def test_hints_are_fixed_within_an_episode_and_per_seed():
 
 
 @pytest.mark.parametrize("options", [{}, {"branching": 4, "depth": 5}])
-def test_expert_wins_every_scenario_of_both_splits(options):
+def test_oracle_expert_wins_every_scenario_of_both_splits(options):
     for split in ("train", "heldout"):
         for scenario in make_scenarios("tree_search", split, 100, seed=0, options=options):
-            steps = expert_trajectory(scenario)  # raises unless won
+            steps = expert_trajectory(scenario, expert="oracle")  # raises unless won
             assert len(steps) == options.get("depth", 3)  # straight down from the root
 
 
@@ -163,3 +167,186 @@ def test_bad_input_raises_clear_errors():
         TreeSearchText(hint_accuracy=1.5)
     with pytest.raises(ValueError, match="verbosity"):
         TreeSearchText(verbosity="loud")
+
+
+# ------------------------------------------------------------------------------------------- DFS expert
+def play_expert(env: TreeSearchText, seed: int, options: dict | None = None) -> tuple[list[tuple[str, str]], dict]:
+    """(observation, expert action) per step of the env's expert from reset to the episode's end; the last info."""
+    obs, info = env.reset(seed=seed, options=options)
+    steps = []
+    while (action := env.expert_action()) is not None:
+        assert action in info["admissible_actions"], (obs, action)
+        steps.append((obs, action))
+        obs, _, terminated, truncated, info = env.step(action)
+        assert info["action_valid"]
+        if terminated or truncated:
+            break
+    return steps, info
+
+
+def test_tree_nodes_counts_every_node():
+    assert tree_nodes(2, 1) == 3 and tree_nodes(3, 3) == 1 + 3 + 9 + 27 and tree_nodes(2, 4) == 31
+
+
+def test_dfs_move_hand_checked():
+    # high child first, then the others in order, then back; a leaf always goes back; the root has no back
+    assert dfs_move((), branching=3, depth=2, high=2, explored=set()) == "child 2"
+    assert dfs_move((), branching=3, depth=2, high=2, explored={2}) == "child 1"
+    assert dfs_move((), branching=3, depth=2, high=2, explored={1, 2}) == "child 3"
+    assert dfs_move((1,), branching=3, depth=2, high=3, explored={3, 1, 2}) == "back"
+    assert dfs_move((1, 2), branching=3, depth=2, high=None, explored=set()) == "back"
+    assert dfs_move((), branching=2, depth=1, high=1, explored={1, 2}) is None
+
+
+def test_unknown_expert_is_refused():
+    with pytest.raises(ValueError, match="expert"):
+        TreeSearchText(expert="psychic")
+
+
+@pytest.mark.parametrize("branching,depth", [(2, 2), (3, 3), (2, 4)])
+def test_dfs_expert_never_uses_the_goal(monkeypatch, branching, depth):
+    """Two trees with the same hints but different goals: the same DFS moves until one of them reaches its goal."""
+    for trial in range(20):
+        rng = np.random.default_rng(trial)
+        goals = [tuple(int(i) for i in rng.integers(1, branching + 1, size=depth)) for _ in range(2)]
+        salt = int(rng.integers(1 << 30))
+        monkeypatch.setattr(tree_search, "draw_hint",  # goal-free hints, fixed per node
+                            lambda seed, path, goal, k, accuracy: 1 + hash((salt, path)) % k)
+        runs = []
+        for goal in goals:
+            monkeypatch.setattr(tree_search, "draw_goal", lambda seed, k, d, goal=goal: goal)
+            env = TreeSearchText(branching=branching, depth=depth, max_steps=2 * tree_nodes(branching, depth),
+                                 expert="dfs")
+            steps, info = play_expert(env, seed=0)
+            assert info["won"]
+            runs.append([action for _, action in steps])
+        shorter, longer = sorted(runs, key=len)
+        assert longer[:len(shorter)] == shorter, (goals, runs)
+
+
+@pytest.mark.parametrize("branching,depth,accuracy", [(2, 1, 0.8), (2, 3, 0.5), (3, 3, 0.8), (3, 3, 0.0),
+                                                      (4, 2, 0.3), (2, 5, 0.7)])
+def test_dfs_expert_wins_with_twice_the_nodes_in_steps(branching, depth, accuracy):
+    nodes = tree_nodes(branching, depth)
+    env = TreeSearchText(branching=branching, depth=depth, hint_accuracy=accuracy, max_steps=2 * nodes,
+                         expert="dfs")
+    for seed in range(60):
+        steps, info = play_expert(env, seed=seed)  # asserts every move is admissible and valid
+        assert info["won"] and len(steps) <= 2 * (nodes - 1) - depth  # worst case: the goal is the last leaf
+
+
+def test_dfs_expert_backs_out_of_dead_ends_and_explored_subtrees():
+    env = TreeSearchText(branching=3, depth=3, hint_accuracy=0.5, max_steps=80, expert="dfs")
+    backs_at_inner_nodes = 0
+    for seed in range(40):
+        steps, _ = play_expert(env, seed=seed)
+        for obs, action in steps:
+            if obs.endswith("dead end"):
+                assert action == "back"
+            elif action == "back":
+                backs_at_inner_nodes += 1
+    assert backs_at_inner_nodes > 0  # a wrong subtree is left once all of it is explored
+
+
+def test_dfs_expert_follows_the_hint_first_then_children_in_order():
+    # accuracy 0: the root's hint is always wrong
+    env = TreeSearchText(branching=3, depth=2, hint_accuracy=0.0, max_steps=26, expert="dfs")
+    obs, _ = env.reset(seed=4)
+    high = high_child(obs)
+    goal = draw_goal(4, 3, 2)
+    assert env.expert_action() == f"child {high}"
+    env.step(f"child {high}")
+    for _ in range(6):  # three dead-end leaves below the wrong child, each down and back
+        env.step(env.expert_action())
+    assert env.expert_action() == "back"
+    env.step("back")
+    assert env.expert_action() == f"child {min(i for i in (1, 2, 3) if i != high)}"
+    assert goal[0] != high
+
+
+def test_dfs_expert_resumes_after_the_agent_strays():
+    """Explored means every leaf below was seen: a child visited and left early is still explored again."""
+    env = TreeSearchText(branching=2, depth=2, hint_accuracy=1.0, expert="dfs")
+    obs, _ = env.reset(seed=1)
+    high = high_child(obs)
+    env.step(f"child {high}")
+    env.step("back")  # left without seeing a leaf
+    assert env.expert_action() == f"child {high}"
+
+
+def test_oracle_expert_walks_straight_to_the_goal():
+    env = TreeSearchText(branching=3, depth=3, hint_accuracy=0.0, expert="oracle")
+    steps, info = play_expert(env, seed=7)
+    assert info["won"] and [a for _, a in steps] == [f"child {i}" for i in draw_goal(7, 3, 3)]
+
+
+def test_dfs_demonstrations_include_back_steps():
+    scenarios = make_scenarios("tree_search", "train", 30, seed=0)
+    kwargs = {"tree_search": {"expert": "dfs", "max_steps": 2 * tree_nodes(3, 3)}}
+    pairs = expert_texts(scenarios, history_turns=1, env_kwargs=kwargs)
+    responses = [response for _, response in pairs]
+    assert " back" in responses and all(r == " back" or r.startswith(" child ") for r in responses)
+    prompt, response = next((p, r) for p, r in pairs if "dead end" in p.rsplit("State:", 1)[1])
+    assert response == " back"
+    # with the env's own 18-step limit the DFS expert loses some trees: keep those demos with require_win=False
+    with pytest.raises(ValueError, match="did not win"):
+        expert_texts(scenarios, env_kwargs={"tree_search": {"expert": "dfs"}})
+    assert " back" in [r for _, r in expert_texts(scenarios, env_kwargs={"tree_search": {"expert": "dfs"}},
+                                                  require_win=False)]
+
+
+# ------------------------------------------------------------------ what a learner sees of the DFS choice
+def parse_observation(obs: str) -> tuple[str, bool, int | None, set[int] | None]:
+    """(node name, at a leaf, high child, visited children or None when not shown) from the text alone."""
+    lines = obs.split("\n")
+    node = lines[0].split(",")[0].removeprefix("node ")
+    leaf = lines[1] in ("dead end", "goal found")
+    high = None if leaf else high_child(obs)
+    visited = None
+    if lines[-1].startswith("visited children: "):
+        listed = lines[-1].removeprefix("visited children: ").split(",")[0]
+        visited = set() if listed == "-" else {int(i) for i in listed.split()}
+    return node, leaf, high, visited
+
+
+def next_after(came_from: int, high: int, branching: int) -> str:
+    """The DFS move at a node just re-entered from its child ``came_from`` (children go high first, then 1..k)."""
+    order = [high] + [i for i in range(1, branching + 1) if i != high]
+    rest = order[order.index(came_from) + 1:]
+    return f"child {rest[0]}" if rest else "back"
+
+
+@pytest.mark.parametrize("branching,depth", [(3, 3), (2, 4)])
+def test_full_observation_alone_determines_the_dfs_move(branching, depth):
+    env = TreeSearchText(branching=branching, depth=depth, hint_accuracy=0.6, verbosity="full",
+                         max_steps=2 * tree_nodes(branching, depth), expert="dfs")
+    for seed in range(40):
+        for obs, action in play_expert(env, seed=seed)[0]:
+            node, leaf, high, visited = parse_observation(obs)
+            path = () if node == "root" else tuple(int(i) for i in node.split("-"))
+            explored = visited if not leaf else set()
+            assert action == dfs_move(path, branching=branching, depth=depth, high=high, explored=explored)
+
+
+@pytest.mark.parametrize("branching,depth", [(3, 3), (2, 4)])
+def test_short_observation_needs_the_previous_turn(branching, depth):
+    """Short: the same observation asks for different DFS moves (first arrival vs back from a child), and the
+    previous turn (its node name and action) is enough to tell them apart, since children go in a fixed order."""
+    env = TreeSearchText(branching=branching, depth=depth, hint_accuracy=0.6,
+                         max_steps=2 * tree_nodes(branching, depth), expert="dfs")
+    moves_by_observation: dict[str, set[str]] = {}
+    for seed in range(40):
+        previous: tuple[str, str] | None = None
+        for obs, action in play_expert(env, seed=seed)[0]:
+            moves_by_observation.setdefault(obs, set()).add(action)
+            node, leaf, high, _ = parse_observation(obs)
+            if leaf:
+                expected = "back"
+            elif previous is None or previous[1] != "back":  # first arrival: from the parent (or the start)
+                expected = f"child {high}"
+            else:  # back from a child: its number ends the previous node's name
+                came_from = int(parse_observation(previous[0])[0].split("-")[-1])
+                expected = next_after(came_from, high, branching)
+            assert action == expected
+            previous = (obs, action)
+    assert any(len(moves) > 1 for moves in moves_by_observation.values())
