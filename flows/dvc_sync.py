@@ -80,7 +80,7 @@ def stage_spec(stage: str, round_index: int | None, params: Params, layout: Layo
                 "metrics": [rel(layout.round_metrics(round_index, "train"))]}
     elif stage == "evaluate":
         deps = [rel(layout.policy(n)) for n in ["base", "warmstart"] + [f"round_{r}" for r in range(1, rounds + 1)]]
-        deps += [rel(layout.scenarios("heldout")), rel(layout.skills(rounds))]
+        deps += [rel(layout.scenarios("heldout")), rel(layout.scenarios("train")), rel(layout.skills(rounds))]
         deps += [rel(layout.round_metrics(r, "rollout")) for r in range(1, rounds + 1)]
         spec = {"deps": deps, "params": ["pipeline", "env", "harness", "evaluate", "skills"],
                 "metrics": [rel(layout.evaluate_metrics)],

@@ -28,6 +28,7 @@ DATA_READERS: dict[str, tuple[str, ...]] = {
     "skills/llm_miner.py": ("skills/prompts/*.md",),
     "datapool/gateway/ui.py": ("datapool/gateway/static/*",),
     "models/ds_engine.py": ("infra/deepspeed/*.json",),
+    "models/vllm_server.py": ("models/portable/*.py",),   # the servers load the action-trie logits processor
 }
 
 

@@ -1,11 +1,14 @@
-"""evaluate: held-out scenarios for the base, warm-start, every round's and the final policy (also with skills)."""
+"""evaluate: held-out scenarios for the base, warm-start, every round's and the final policy (also with skills),
+next to the non-learning baselines on the same scenarios (envs/baselines.py: random, the env's heuristics, a
+train-memorizing lookup) and how many held-out scenarios equal a train one."""
 from __future__ import annotations
 
 import csv
 from typing import Any
 
+from envs.baselines import baseline_report
 from skills.lifecycle import CHANGE_VERBS, load_round_bank
-from tasks.common import evaluate_policy, read_json, read_scenarios, seed_everything, write_json
+from tasks.common import env_kwargs, evaluate_policy, read_json, read_scenarios, seed_everything, write_json
 from tasks.engines import open_engine
 from tasks.config import Params
 from tasks.layout import Layout
@@ -67,7 +70,11 @@ def run(params: Params, layout: Layout) -> dict[str, Any]:
     heldout_metrics = {key: _subset(results[key]) for key in ("base", "warmstart", "final", "final_with_skills")}
     per_round = {f"round_{r}": _subset(results[f"round_{r}"]) for r in range(1, rounds + 1)}
     skills_report = skill_report(results["final"], results["final_with_skills"], final_bank, layout, rounds)
-    report = {"heldout": heldout_metrics, "rounds": per_round, "skills": skills_report,
+    baselines = baseline_report(heldout, read_scenarios(layout, "train"), env_kwargs(params, layout))
+    baselines["final_above_every_baseline"] = results["final"]["success_rate"] > max(
+        [baselines["random"]["mean"], baselines["train_lookup"]["mean"]]
+        + [h["mean"] for h in baselines["heuristics"].values()])
+    report = {"heldout": heldout_metrics, "rounds": per_round, "skills": skills_report, "baselines": baselines,
               "heldout_scenarios": len(heldout), "seed": params.pipeline.seed, "engine": handoffs}
 
     rows = []
@@ -90,6 +97,9 @@ def run(params: Params, layout: Layout) -> dict[str, Any]:
     for key, summary in heldout_metrics.items():
         log_metrics(summary, prefix=f"{key}.")
     log_metrics({k: v for k, v in skills_report.items() if isinstance(v, (int, float))}, prefix="skills.")
+    log_metrics({"random": baselines["random"]["mean"], "train_lookup": baselines["train_lookup"]["mean"],
+                 "heldout_equal_to_a_train_scenario": baselines["heldout_equal_to_a_train_scenario"],
+                 **{name: h["mean"] for name, h in baselines["heuristics"].items()}}, prefix="baseline.")
     best_round = max(range(1, rounds + 1), key=lambda r: (results[f"round_{r}"]["success_rate"], r))
     champion = set_champion(params.pipeline.registered_model, str(best_round))
     return {"heldout": heldout_metrics, "champion_round": best_round, "champion_version": champion}
