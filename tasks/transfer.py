@@ -1,10 +1,16 @@
-"""transfer: the final skill bank with other models (the warm-start policy and a second architecture)."""
+"""transfer: the final skill bank with other models: the warm-start policy, a second tiny architecture warm-started
+the same way, and real pretrained models (``transfer.pretrained``, e.g. SmolLM2-135M-Instruct) evaluated frozen and
+zero-shot through their own chat template; each with and without the bank, and what carries over (success gain,
+skill prompt tokens, macro calls)."""
 from __future__ import annotations
 
+import tempfile
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from models.build import build_model, load_policy
+from models.gguf import convert_packaged
 from tasks.common import evaluate_policy, load_skills, read_scenarios, seed_everything, write_json
 from tasks.engines import open_engine
 from tasks.config import Params
@@ -48,8 +54,39 @@ def transfer_report(params: Params, layout: Layout, heldout, skills, target: Pat
             without, _ = evaluate_policy(engine, heldout, params, layout=layout, label=f"{name} without skills")
             with_skills, _ = evaluate_policy(engine, heldout, params, layout=layout, skills=skills,
                                              label=f"{name} with skills")
-        report["models"][name] = {"without_skills": without, "with_skills": with_skills}
+        report["models"][name] = _with_and_without(without, with_skills)
         log_metrics(without, prefix=f"{name}.without_skills.")
         log_metrics(with_skills, prefix=f"{name}.with_skills.")
     report["sft"] = {f"{params.transfer.model.arch}_warmstart": sft_metrics}
+    report["pretrained"] = pretrained_report(params, layout, heldout, skills)
     return report
+
+
+def _with_and_without(without: dict[str, Any], with_skills: dict[str, Any]) -> dict[str, Any]:
+    return {"without_skills": without, "with_skills": with_skills,
+            "carry_over": {"success_gain": with_skills["success_rate"] - without["success_rate"],
+                           "skill_prompt_tokens_per_episode": with_skills["mean_skill_prompt_tokens"],
+                           "macro_calls_per_episode": with_skills["macro_calls_per_episode"]}}
+
+
+def pretrained_report(params: Params, layout: Layout, heldout, skills) -> dict[str, Any]:
+    """Each of ``transfer.pretrained``, frozen: converted from its packaged GGUF into a temporary folder (never a
+    stage output: 0.5 GB), prompted through its own chat template, on the first ``transfer.pretrained_scenarios``
+    held-out scenarios, with and without the bank."""
+    cfg = params.transfer
+    scenarios = list(heldout[: cfg.pretrained_scenarios] if cfg.pretrained_scenarios else heldout)
+    chat = replace(params, harness=replace(params.harness, chat_template=True))
+    out: dict[str, Any] = {}
+    for name in cfg.pretrained:
+        scratch = layout.root / ".arlflow" / "tmp"            # ignored by git, outside every stage's outputs
+        scratch.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(prefix=f"transfer-{name}-", dir=scratch) as tmp:
+            folder = convert_packaged(name, Path(tmp) / name)
+            with open_engine(chat, layout, folder, name, "transfer", stage=f"transfer-{name}") as (engine, handoff):
+                without, _ = evaluate_policy(engine, scenarios, chat, layout=layout, label=f"{name} without skills")
+                with_skills, _ = evaluate_policy(engine, scenarios, chat, layout=layout, skills=skills,
+                                                 label=f"{name} with skills")
+        out[name] = {**_with_and_without(without, with_skills), "scenarios": len(scenarios), "engine": handoff}
+        log_metrics(without, prefix=f"{name}.without_skills.")
+        log_metrics(with_skills, prefix=f"{name}.with_skills.")
+    return out

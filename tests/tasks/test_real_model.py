@@ -78,3 +78,34 @@ def test_convert_model_cli_refuses_an_unknown_name(tmp_path):
 
     result = CliRunner().invoke(app, ["convert-model", "gpt-17", "--out", str(tmp_path / "x")])
     assert result.exit_code == 2 and "known" in result.output and not (tmp_path / "x").exists()
+
+
+def test_transfer_evaluates_the_bank_with_frozen_smollm2_through_its_chat_template(tmp_path):
+    """transfer.pretrained: SmolLM2-135M-Instruct, converted into a scratch folder that does not outlive the
+    stage, plays held-out scenarios zero-shot with and without a non-empty bank (constrained to the admissible
+    actions), and the report says what carried over."""
+    from skills.bank import Skill
+    from tasks.transfer import pretrained_report
+
+    raw = {"pipeline": {"rounds": 1}, "bootstrap": {"train_scenarios": 8, "heldout_scenarios": 3,
+                                                      "tokenizer_corpus_episodes": 8},
+           "harness": {"action_space": "admissible"}, "transfer": {"pretrained_scenarios": 2},
+           "rollout": {"scenarios_per_round": 4}, "warmstart": {"demo_scenarios": 4},
+           "evaluate": {"sampling": {"max_new_tokens": 6}}}
+    params = parse_params(raw)
+    layout = Layout(tmp_path)
+    bootstrap.run(params, layout)
+    from tasks.common import read_scenarios
+    heldout = read_scenarios(layout, "heldout")
+    skill = Skill("go-down-right", "Reach the bottom right corner of the lake.",
+                  "Step down or right, whichever is not a hole.", macro=("down", "right"))
+    report = pretrained_report(params, layout, heldout, [skill])["smollm2-135m-instruct"]
+    assert report["scenarios"] == 2
+    without, with_skills = report["without_skills"], report["with_skills"]
+    assert without["mean_skill_prompt_tokens"] == 0 < with_skills["mean_skill_prompt_tokens"]
+    assert with_skills["mean_prompt_tokens"] > without["mean_prompt_tokens"]
+    assert without["invalid_action_rate"] == 0.0                      # constrained: every answer is an action
+    carry = report["carry_over"]
+    assert carry["success_gain"] == with_skills["success_rate"] - without["success_rate"]
+    assert carry["skill_prompt_tokens_per_episode"] == with_skills["mean_skill_prompt_tokens"]
+    assert not any((tmp_path / ".arlflow" / "tmp").iterdir())         # the 0.5 GB scratch copy is gone
