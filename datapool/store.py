@@ -50,6 +50,10 @@ S = STEPS
 R = RequestRow.__table__
 
 
+
+class TrajectoryClosedError(ValueError):
+    """A change that needs an open trajectory was asked of a finished one (the gateway answers 409)."""
+
 class DataPool:
     """Trajectories and steps of every round. ``url``: a SQLAlchemy URL (``sqlite:///data/pool.db``,
     ``postgresql+psycopg://...``) or a bare file path (SQLite). Use as a context manager or call ``close()``.
@@ -252,15 +256,20 @@ class DataPool:
             stored = self._stored_request(conn, idempotency_key)
         return None if stored is None else stored[1]
 
-    def set_reward(self, trajectory_id: str, reward: float, *, step_index: int | None = None) -> None:
+    def set_reward(self, trajectory_id: str, reward: float, *, step_index: int | None = None,
+                   require_open: bool = False) -> None:
         """Set the reward of step ``step_index`` (default: the last step) and recompute the trajectory's
-        episode_return as the sum of its step rewards."""
+        episode_return as the sum of its step rewards. ``require_open``: refuse (TrajectoryClosedError) unless the
+        trajectory is still open, checked under the row's lock (the gateway's rule)."""
         if not is_real(reward) or math.isnan(reward):
             raise ValueError(f"field 'reward' must be a real number, not NaN; got {reward!r}")
         if step_index is not None and (not is_int(step_index) or step_index < 0):
             raise ValueError(f"field 'step_index' must be an int >= 0 or None, got {step_index!r}")
         with self._write() as conn:
-            self._lock_trajectory(conn, trajectory_id)
+            row = self._lock_trajectory(conn, trajectory_id)
+            if require_open and row.status != "open":
+                raise TrajectoryClosedError(f"trajectory {trajectory_id!r} is already {row.status}: its rewards are "
+                                            "final; start a new trajectory")
             where = S.c.trajectory_id == trajectory_id
             if step_index is None:
                 step_index = conn.scalar(select(func.max(S.c.step_index)).where(where))
@@ -273,9 +282,11 @@ class DataPool:
             total = conn.scalar(select(func.sum(S.c.reward)).where(where))
             conn.execute(update(T).where(T.c.trajectory_id == trajectory_id).values(episode_return=float(total)))
 
-    def finish_trajectory(self, trajectory_id: str, *, status: str = "complete", won: bool | None = None) -> None:
+    def finish_trajectory(self, trajectory_id: str, *, status: str = "complete", won: bool | None = None,
+                          require_open: bool = False) -> None:
         """Close a trajectory: set its final ``status`` (and ``won`` when given). Finishing an open trajectory also
-        records its wall time since open_trajectory. Finishing again just updates status/won."""
+        records its wall time since open_trajectory. Finishing again just updates status/won, unless
+        ``require_open`` (the gateway's rule): then TrajectoryClosedError, checked under the row's lock."""
         if status not in FINAL_STATUSES:
             raise ValueError(f"field 'status' is {status!r}; a trajectory finishes as one of "
                              f"{', '.join(FINAL_STATUSES)}")
@@ -283,6 +294,9 @@ class DataPool:
             raise ValueError(f"field 'won' must be a bool or None, got {won!r}")
         with self._write() as conn:
             row = self._lock_trajectory(conn, trajectory_id)
+            if require_open and row.status != "open":
+                raise TrajectoryClosedError(f"trajectory {trajectory_id!r} is already {row.status}: it cannot be "
+                                            "completed again")
             values: dict[str, Any] = {"status": status}
             if won is not None:
                 values["won"] = won

@@ -148,7 +148,28 @@ def load_policy(path: str | Path, *, dtype: torch.dtype = torch.float32) -> tupl
             f"policy folder {path} is missing or has no config.json: run `dvc repro bootstrap` "
             "(or point the policy path at a local Hugging Face model folder)"
         )
-    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    tokenizer = load_tokenizer(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
     model.eval()
     return model, tokenizer
+
+
+TOKENIZER_PROBE = "Task: go north. State: 3 coins, a lamp."
+
+
+def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
+    """The folder's tokenizer, offline, after checking that it can tokenize: a folder without its tokenizer files
+    (tokenizer.json, or vocab/merges) loads as a one-token tokenizer that turns every text into no ids, and
+    everything built on it would be silently wrong."""
+    path = Path(path)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError) as err:
+        raise ValueError(f"cannot load a tokenizer from {path}: {err}") from err
+    ids = tokenizer.encode(TOKENIZER_PROBE, add_special_tokens=False)
+    if len(tokenizer) < 2 or not ids or TOKENIZER_PROBE not in tokenizer.decode(ids, skip_special_tokens=True):
+        present = sorted(p.name for p in path.iterdir()) if path.is_dir() else []
+        raise ValueError(f"the tokenizer in {path} cannot tokenize text ({len(tokenizer)} tokens; {TOKENIZER_PROBE!r} "
+                         f"-> {ids[:8]}): the folder has {present} but not its tokenizer files (tokenizer.json, or "
+                         "vocab.json + merges.txt); copy them from the model the policy was saved from")
+    return tokenizer

@@ -160,6 +160,30 @@ def parse_completion_choice(choice: dict[str, Any], prompt_ids: list[int], *, to
                           upstream=upstream)
 
 
+LOGPROB_SLACK = 1e-4
+"""A served log-prob may exceed 0 by float rounding; more than this is not a log-probability."""
+
+
+def upstream_output_problem(result: UpstreamResult, *, vocab_size: int | None, max_tokens: int) -> str | None:
+    """What is wrong with an upstream's sampled output, or None: ids outside ``[0, vocab_size)``, more ids than
+    ``max_tokens``, not one log-prob per id, a log-prob that is not finite or is above 0 (retokenized output has
+    no log-probs to check). Such output is never stored: the gateway answers 502, a stage fails."""
+    ids = list(result.token_ids)
+    limit = vocab_size if vocab_size is not None else 2 ** 31
+    bad = next((t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < limit), None)
+    if bad is not None:
+        return f"token id {bad!r} is outside the policy's vocabulary [0, {limit})"
+    if len(ids) > max_tokens:
+        return f"{len(ids)} tokens for max_tokens {max_tokens}"
+    if len(result.logprobs) != len(ids):
+        return f"{len(result.logprobs)} log-probs for {len(ids)} token ids"
+    if not result.retokenized:
+        odd = next((v for v in result.logprobs if not math.isfinite(v) or v > LOGPROB_SLACK), None)
+        if odd is not None:
+            return f"log-prob {odd!r} is not a finite value <= 0"
+    return None
+
+
 def parse_completion_response(payload: Any, prompt_ids: list[int], n: int, *, tokenizer,
                               upstream: str) -> list[UpstreamResult]:
     """A whole completions response -> `n` results, in choice-index order."""

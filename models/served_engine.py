@@ -25,7 +25,7 @@ import torch
 from models.checks import ConfigValueError, check_choice, check_config
 from models.engine import Generation, SamplingParams
 from models.forward import gather_logprobs
-from models.openai_pool import OpenAIUpstreamPool, UpstreamResponseError, UpstreamResult
+from models.openai_pool import OpenAIUpstreamPool, UpstreamResponseError, UpstreamResult, upstream_output_problem
 from models.portable.action_trie import ActionTrie, Choices, allowed_positions, pad_allowed
 
 CHOICES_XARG = "arlflow_action_choices"   # models/portable/arlflow_action_trie.py reads it from vllm_xargs
@@ -162,7 +162,12 @@ class ServedEngine:
         results = (self._one_per_request(prompts, sampling, keys) if self.prompts_per_request == 1
                    else self._batched(prompts, sampling, keys))
         generations = []
+        vocab = len(self.tokenizer) if self.tokenizer is not None else None
         for index, result in enumerate(results):
+            problem = upstream_output_problem(result, vocab_size=vocab, max_tokens=sampling.max_new_tokens)
+            if problem is not None:
+                raise UpstreamResponseError(f"upstream {result.upstream} returned invalid output for prompt {index} "
+                                            f"({problem}): nothing of this turn is kept")
             if result.retokenized:
                 raise UpstreamResponseError(
                     f"upstream {result.upstream} answered text without token ids for prompt {index}: arlflow trains "

@@ -37,6 +37,7 @@ from datapool.gateway.schemas import ChatCompletionRequest, CompleteRequest, Com
 from datapool.gateway.security import SecurityMiddleware
 from datapool.gateway.streaming import sse_events
 from datapool.gateway.upstreams import Upstream
+from datapool.store import TrajectoryClosedError
 
 _ID = re.compile(r"^[A-Za-z0-9._:@/+=-]{1,200}$")
 _ID_FIELDS = ("token_ids", "prompt_token_ids")
@@ -131,7 +132,7 @@ def _api_routes(state: dict) -> APIRouter:
     @router.post("/v1/trajectories/{target_id}/reward")
     async def reward(target_id: str, body: RewardRequest) -> Response:
         def apply():
-            pool.set_reward(target_id, body.reward, step_index=body.step_index)
+            pool.set_reward(target_id, body.reward, step_index=body.step_index, require_open=True)
             return pool.get_trajectory(target_id)
         traj = await run_in_threadpool(_pool_call, apply, target_id)
         return _json({"trajectory_id": target_id, "episode_return": traj.episode_return, "status": traj.status,
@@ -140,7 +141,7 @@ def _api_routes(state: dict) -> APIRouter:
     @router.post("/v1/trajectories/{target_id}/complete")
     async def complete(target_id: str, body: CompleteRequest) -> Response:
         def apply():
-            pool.finish_trajectory(target_id, status=body.status, won=body.won)
+            pool.finish_trajectory(target_id, status=body.status, won=body.won, require_open=True)
             return pool.get_trajectory(target_id)
         traj = await run_in_threadpool(_pool_call, apply, target_id)
         return _json({"trajectory_id": target_id, "status": traj.status, "won": traj.won,
@@ -161,6 +162,8 @@ def _pool_call(fn, trajectory_id: str):
     except KeyError as exc:
         raise GatewayError(404, f"{exc.args[0] if exc.args else exc}: check the trajectory id (and step_index)",
                            param="trajectory_id", code="trajectory_not_found") from exc
+    except TrajectoryClosedError as exc:
+        raise GatewayError(409, str(exc), param="trajectory_id", code="trajectory_finished") from exc
     except ValueError as exc:
         raise GatewayError(400, str(exc)) from exc
 

@@ -20,6 +20,7 @@ from datapool.gateway.config import GatewayConfig
 from datapool.gateway.errors import GatewayError
 from datapool.gateway.schemas import ChatCompletionRequest, CompletionRequest
 from datapool.gateway.upstreams import Upstream, UpstreamResult
+from models.openai_pool import upstream_output_problem
 from datapool.records import StepRecord, TrajectoryRecord
 from models.engine import SamplingParams
 
@@ -173,6 +174,12 @@ class Recorder:
                                     f"{type(exc).__name__}: {exc}", code="upstream_failed") from exc
         if len(results) != req.n:
             raise GatewayError(502, f"upstream returned {len(results)} choices for n={req.n}")
+        vocab = len(self.renderer.tokenizer)
+        for result in results:
+            problem = upstream_output_problem(result, vocab_size=vocab, max_tokens=max_tokens)
+            if problem is not None:
+                raise GatewayError(502, f"upstream {getattr(self.upstream, 'name', '?')!r} returned invalid output "
+                                        f"({problem}); nothing was recorded", code="upstream_invalid_output")
         return results
 
     def _step(self, result: UpstreamResult, prompt_text: str, *, observation: str, action: str, response_text: str,

@@ -5,13 +5,12 @@ from pathlib import Path
 
 import uvicorn
 from fastapi import FastAPI
-from transformers import AutoTokenizer
 
 from datapool.gateway.app import create_app
 from datapool.gateway.config import GatewayConfig
 from datapool.gateway.upstreams import LocalEngineUpstream, OpenAIUpstreamPool
 from datapool.store import DataPool
-from models.build import load_policy
+from models.build import load_policy, load_tokenizer
 from models.hf_engine import TransformersEngine
 
 
@@ -26,7 +25,7 @@ def build_gateway(config: GatewayConfig, *, policy: str | Path, pool_url: str, u
         if not (policy / "tokenizer_config.json").is_file() and not (policy / "tokenizer.json").is_file():
             raise FileNotFoundError(f"no tokenizer in {policy}: --policy must be the served model's folder (the "
                                     "gateway renders chat templates and decodes ids with its tokenizer)")
-        tokenizer = AutoTokenizer.from_pretrained(policy, local_files_only=True)
+        tokenizer = load_tokenizer(policy)
         upstream = OpenAIUpstreamPool(list(upstream_urls), tokenizer=tokenizer, api_key=upstream_api_key,
                                       strategy=strategy)
     else:

@@ -74,3 +74,22 @@ def test_retokenized_answers_and_empty_prompts_are_refused():
 def test_engine_config_rejects_bad_values(values, message):
     with pytest.raises(ValueError, match=message):
         EngineConfig(**values)
+
+
+class BrokenPool(FakePool):
+    """Answers every prompt with an id no 100-token vocabulary has."""
+
+    def generate_many(self, prompts, sampling, n=1, extra_body=None):
+        return [[UpstreamResult(list(p), [100_000], [-0.5], "length") for _ in range(n)] for p in prompts]
+
+
+class Vocab:
+    def __len__(self) -> int:
+        return 100
+
+
+def test_invalid_upstream_output_fails_the_turn_naming_the_problem():
+    engine = ServedEngine(BrokenPool(), tokenizer=Vocab(), policy_version="v")
+    with pytest.raises(UpstreamResponseError, match="token id 100000 is outside the policy's vocabulary"):
+        engine.generate([[1], [2]], SamplingParams(max_new_tokens=2, seed=0))
+    assert engine.sampled_tokens == 0

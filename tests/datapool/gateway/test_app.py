@@ -12,7 +12,7 @@ from gateway_helpers import AUTH, KEY, FailingUpstream, RecordingUpstream, Scrip
 from datapool.gateway.app import create_app
 from datapool.gateway.chat import ChatRenderer
 from datapool.gateway.config import GatewayConfig
-from datapool.gateway.upstreams import LocalEngineUpstream
+from datapool.gateway.upstreams import LocalEngineUpstream, UpstreamResult
 from datapool.store import DataPool
 
 WEATHER_TOOL = {"type": "function", "function": {"name": "get_weather", "description": "weather of a city",
@@ -214,6 +214,13 @@ def test_rewards_and_completion(scripted, pool):
     late = chat(client, [{"role": "user", "content": "hi"}], path="/t/ep-8/v1/chat/completions")
     assert late.status_code == 409 and late.json()["error"]["code"] == "trajectory_finished"
     assert pool.get_trajectory("ep-8").num_steps == 2
+    # a finished trajectory is final: completing again or rewarding it is a 409 and changes nothing
+    again = client.post("/v1/trajectories/ep-8/complete", headers=AUTH, json={"status": "failed", "won": False})
+    assert _error(again, 409)["code"] == "trajectory_finished"
+    reward = client.post("/v1/trajectories/ep-8/reward", headers=AUTH, json={"reward": 4.0})
+    assert "already complete" in _error(reward, 409)["message"]
+    final = pool.get_trajectory("ep-8")
+    assert (final.status, final.won, final.episode_return) == ("complete", True, 1.5)
 
 
 def test_path_and_header_ids_must_agree(scripted):
@@ -293,6 +300,37 @@ def test_upstream_failures_write_nothing(pool, engine_and_tokenizer):
     assert_nothing_written(pool)
 
 
+class FaultyUpstream:
+    """Answers with what a broken upstream sends: ids, log-probs and lengths no sampler can produce."""
+
+    name = "faulty"
+
+    def __init__(self, ids, logprobs) -> None:
+        self.ids, self.logprobs = ids, logprobs
+
+    def generate(self, prompt_ids, sampling, n=1):
+        return [UpstreamResult(list(prompt_ids), list(self.ids), list(self.logprobs), "stop") for _ in range(n)]
+
+    def health(self) -> bool:
+        return True
+
+
+@pytest.mark.parametrize("ids, logprobs, says", [
+    ([5, 100_000], [-0.1, -0.2], "token id 100000 is outside the policy's vocabulary"),
+    ([5, -3], [-0.1, -0.2], "token id -3 is outside"),
+    ([5, 6], [-0.1, 7.5], "log-prob 7.5 is not a finite value <= 0"),
+    ([5, 6], [-0.1, float("nan")], "log-prob nan"),
+    ([5] * 3000, [-0.1] * 3000, "3000 tokens for max_tokens 4"),
+    ([5, 6], [-0.1], "1 log-probs for 2 token ids"),
+])
+def test_invalid_upstream_output_is_a_502_and_nothing_is_recorded(pool, engine_and_tokenizer, ids, logprobs, says):
+    _, tokenizer = engine_and_tokenizer
+    client = make_client(pool, FaultyUpstream(ids, logprobs), tokenizer)
+    error = _error(chat(client, [{"role": "user", "content": "hi"}], max_tokens=4), 502)
+    assert error["code"] == "upstream_invalid_output" and says in error["message"] and "faulty" in error["message"]
+    assert_nothing_written(pool)
+
+
 def test_prompt_longer_than_the_model_is_a_400(local, pool):
     client, _ = local
     response = chat(client, [{"role": "user", "content": "north " * 400}])
@@ -329,3 +367,26 @@ def test_prefix_consistency_with_a_jinja_chat_template(pool, engine_and_tokenize
     assert second["prompt_token_ids"][: len(prefix)] == prefix
     suffix = templated.decode(second["prompt_token_ids"][len(prefix):])
     assert suffix == "\n<|im_start|>user\nand now?<|endoftext|>\n<|im_start|>assistant\n"
+
+
+def test_the_gateway_refuses_a_policy_folder_it_cannot_tokenize_with(tiny_policy_dir, tmp_path):
+    """Without tokenizer.json the folder loads a one-token tokenizer that maps every text to no ids: the gateway
+    must not start on it (before: /health ok, chat 200, prompt_ids [0] stored)."""
+    import shutil
+
+    from typer.testing import CliRunner
+
+    from datapool.gateway.server import build_gateway
+    from flows.gateway_cli import gateway_app
+
+    broken = tmp_path / "policy"
+    shutil.copytree(tiny_policy_dir, broken)
+    (broken / "tokenizer.json").unlink()
+    config = GatewayConfig(api_keys=(KEY,))
+    for upstreams in ([], ["http://127.0.0.1:9/v1"]):
+        with pytest.raises(ValueError, match="cannot tokenize text.*tokenizer.json"):
+            build_gateway(config, policy=broken, pool_url=str(tmp_path / "pool.db"), upstream_urls=upstreams)
+    result = CliRunner().invoke(gateway_app, ["serve", "--policy", str(broken), "--pool-url", str(tmp_path / "p.db"),
+                                              "--api-key", KEY])
+    assert result.exit_code == 2 and "cannot tokenize text" in result.output
+    assert "Traceback" not in result.output and not (tmp_path / "p.db").exists()
