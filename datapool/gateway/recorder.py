@@ -25,6 +25,15 @@ from datapool.records import StepRecord, TrajectoryRecord
 from models.engine import SamplingParams
 
 
+REQUEST_HASH = "arlflow_request_sha256"
+"""Kept with an idempotent request's stored response (never sent to a client): the hash of the body it answered."""
+
+
+def request_hash(req) -> str:
+    """sha256 of a request body as parsed (field order and unset defaults do not matter)."""
+    return hashlib.sha256(req.model_dump_json(exclude_none=True).encode()).hexdigest()
+
+
 @dataclass(frozen=True)
 class RequestContext:
     """Where a request's steps go, from the path prefix ``/t/{id}`` or the ``X-*`` headers."""
@@ -56,7 +65,7 @@ class Recorder:
     # -- the two generation routes
 
     def chat(self, ctx: RequestContext, req: ChatCompletionRequest) -> Served:
-        replay = self._replay(ctx)
+        replay = self._replay(ctx, req)
         if replay is not None:
             return replay
         self._check_n(ctx, req.n)
@@ -82,10 +91,10 @@ class Recorder:
             steps.append(self._step(result, prompt.prompt_text, observation=prompt.observation, action=action,
                                     response_text=text, anchor=prompt.anchor, tool_calls=len(calls)))
         response = self._envelope("chatcmpl", "chat.completion", req.model, choices, results)
-        return self._commit(ctx, steps, response, existing_group)
+        return self._commit(ctx, steps, response, existing_group, req)
 
     def completion(self, ctx: RequestContext, req: CompletionRequest) -> Served:
-        replay = self._replay(ctx)
+        replay = self._replay(ctx, req)
         if replay is not None:
             return replay
         self._check_n(ctx, req.n)
@@ -103,17 +112,29 @@ class Recorder:
             steps.append(self._step(result, prompt_text, observation=prompt_text[-2000:], action=text,
                                     response_text=text, anchor=anchor, tool_calls=0))
         response = self._envelope("cmpl", "text_completion", req.model, choices, results)
-        return self._commit(ctx, steps, response, existing_group)
+        return self._commit(ctx, steps, response, existing_group, req)
 
     # -- pieces
 
-    def _replay(self, ctx: RequestContext) -> Served | None:
+    def _replay(self, ctx: RequestContext, req) -> Served | None:
+        """The stored response of a retried request. The key is bound to what it first recorded: the same
+        trajectory and the same body (a hash kept with the response), else 422 and nothing is replayed."""
         if ctx.idempotency_key is None:
             return None
         stored = self.pool.lookup_request(ctx.idempotency_key)
         if stored is None:
             return None
+        stored = dict(stored)
+        digest = stored.pop(REQUEST_HASH, None)
         ids = [c.get("trajectory_id", stored.get("trajectory_id")) for c in stored["choices"]]
+        if ctx.trajectory_id is not None and ctx.trajectory_id not in ids:
+            raise GatewayError(422, f"Idempotency-Key {ctx.idempotency_key!r} was used for trajectory {ids[0]!r}, "
+                                    f"not {ctx.trajectory_id!r}: use a new key per request", param="idempotency_key",
+                               code="idempotency_key_reused")
+        if digest is not None and digest != request_hash(req):
+            raise GatewayError(422, f"Idempotency-Key {ctx.idempotency_key!r} was used with another request body: "
+                                    "a retry must resend the same body; use a new key for a new request",
+                               param="idempotency_key", code="idempotency_key_reused")
         return Served(stored, ids, None, replayed=True)
 
     def _check_n(self, ctx: RequestContext, n: int) -> None:
@@ -202,7 +223,7 @@ class Recorder:
                 "prompt_token_ids": list(results[0].prompt_ids)}
 
     def _commit(self, ctx: RequestContext, steps: list[StepRecord], response: dict,
-                existing_group: str | None) -> Served:
+                existing_group: str | None, req=None) -> Served:
         """Open the trajectories (one per choice without a trajectory id) and append each step durably."""
         n = len(steps)
         if ctx.trajectory_id is not None:
@@ -227,9 +248,11 @@ class Recorder:
                                           env=ctx.env, round=ctx.round, metadata=metadata)
             key = None if ctx.idempotency_key is None else (
                 ctx.idempotency_key if n == 1 else f"{ctx.idempotency_key}#{i}")
+            kept = response if key is None or req is None else {**response, REQUEST_HASH: request_hash(req)}
             index, stored = self.pool.append_step(replace(step, trajectory_id=tid, group_id=group_id),
-                                                  idempotency_key=key, response=response)
+                                                  idempotency_key=key, response=kept)
             if stored is not None:
+                stored = {k: v for k, v in stored.items() if k != REQUEST_HASH}
                 if n == 1:  # a concurrent retry of the same request committed first: answer what it stored
                     return Served(stored, ids, index, replayed=True)
                 response["choices"][i] = stored["choices"][i]

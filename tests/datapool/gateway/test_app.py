@@ -149,6 +149,22 @@ def test_idempotency_key_replays_the_stored_response(scripted, pool):
     assert first.json() == again.json() and again.headers["x-idempotent-replay"] == "true"
     assert upstream.calls == 1 and pool.counts() == {"trajectories": 1, "steps": 1}
     assert pool.lookup_request("req-42")["id"] == first.json()["id"]
+    assert "arlflow_request_sha256" not in again.json()                      # the body hash stays server-side
+
+
+def test_an_idempotency_key_is_bound_to_its_trajectory_and_body(scripted, pool):
+    """Before: a reused key with another body silently replayed the first answer, and reused on trajectory B it gave
+    B A's response and recorded nothing for B."""
+    client, upstream = scripted
+    first = chat(client, [{"role": "user", "content": "hi"}], headers={"Idempotency-Key": "k-1", "X-Trajectory-Id": "A"})
+    assert first.status_code == 200
+    other_body = chat(client, [{"role": "user", "content": "bye"}],
+                      headers={"Idempotency-Key": "k-1", "X-Trajectory-Id": "A"})
+    assert "another request body" in _error(other_body, 422)["message"]
+    other_trajectory = chat(client, [{"role": "user", "content": "hi"}],
+                            headers={"Idempotency-Key": "k-1", "X-Trajectory-Id": "B"})
+    assert "was used for trajectory 'A', not 'B'" in _error(other_trajectory, 422)["message"]
+    assert upstream.calls == 1 and pool.counts() == {"trajectories": 1, "steps": 1}
 
 
 def test_n_choices_become_one_group_of_trajectories(local, pool):
