@@ -280,6 +280,9 @@ class DataPool:
             if done.rowcount == 0:
                 raise KeyError(f"unknown step {step_index} of trajectory {trajectory_id!r}")
             total = conn.scalar(select(func.sum(S.c.reward)).where(where))
+            if total is None or not math.isfinite(float(total)):
+                raise ValueError(f"field 'reward' {reward!r} would make trajectory {trajectory_id!r}'s return "
+                                 f"{total!r}, not a finite number: send rewards on a bounded scale")
             conn.execute(update(T).where(T.c.trajectory_id == trajectory_id).values(episode_return=float(total)))
 
     def finish_trajectory(self, trajectory_id: str, *, status: str = "complete", won: bool | None = None,

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import re
 import time
 from contextlib import asynccontextmanager
@@ -44,8 +45,23 @@ _ID_FIELDS = ("token_ids", "prompt_token_ids")
 
 
 def _json(payload: object, *, status: int = 200, headers: dict[str, str] | None = None) -> Response:
-    return Response(json.dumps(payload, separators=(",", ":")).encode(), status_code=status,
-                    media_type="application/json", headers=headers)
+    """Always valid JSON: a non-finite float (a stored return written before returns were kept finite) is sent as
+    null, never as the non-JSON ``Infinity``."""
+    try:
+        text = json.dumps(payload, separators=(",", ":"), allow_nan=False)
+    except ValueError:
+        text = json.dumps(_finite(payload), separators=(",", ":"), allow_nan=False)
+    return Response(text.encode(), status_code=status, media_type="application/json", headers=headers)
+
+
+def _finite(value: object) -> object:
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
 
 
 def _checked_id(value: str | None, what: str) -> str | None:
@@ -65,8 +81,9 @@ def _context(request: Request) -> RequestContext:
         raise GatewayError(400, f"trajectory id {in_path!r} in the path and {in_header!r} in X-Trajectory-Id "
                                 "differ: send one", param="trajectory_id")
     round_text = headers.get("x-round", "0")
-    if not round_text.isdigit():
-        raise GatewayError(400, f"X-Round must be an int >= 0, got {round_text[:40]!r}", param="round")
+    if not (round_text.isascii() and round_text.isdigit()) or len(round_text) > 10 or int(round_text) > 2 ** 31 - 1:
+        raise GatewayError(400, f"X-Round must be an int in [0, 2**31 - 1] in ASCII digits, got {round_text[:40]!r}",
+                           param="round")
     key = headers.get("idempotency-key")
     if key is not None and not 1 <= len(key) <= 255:
         raise GatewayError(400, "Idempotency-Key must be 1-255 characters", param="idempotency_key")

@@ -406,3 +406,41 @@ def test_the_gateway_refuses_a_policy_folder_it_cannot_tokenize_with(tiny_policy
                                               "--api-key", KEY])
     assert result.exit_code == 2 and "cannot tokenize text" in result.output
     assert "Traceback" not in result.output and not (tmp_path / "p.db").exists()
+
+
+@pytest.mark.parametrize("path, body, field", [
+    ("/v1/trajectories/t/reward", {"reward": "0.5"}, "reward"),
+    ("/v1/trajectories/t/reward", {"reward": True}, "reward"),
+    ("/v1/trajectories/t/reward", {"reward": 1.0, "step_index": 2 ** 63}, "step_index"),
+    ("/v1/trajectories/t/complete", {"won": "yes"}, "won"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": "4"}, "max_tokens"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "seed": 2 ** 70}, "seed"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "\ud800 hi"}]}, "content"),
+    ("/v1/completions", {"prompt": [True, False], "max_tokens": 2}, "prompt"),
+])
+def test_loose_values_are_refused_with_a_400_not_coerced(scripted, pool, path, body, field):
+    """Before: "0.5", true, "yes", "4" and [true, false] were coerced; 2**63 and a lone surrogate were 500s."""
+    client, upstream = scripted
+    chat(client, [{"role": "user", "content": "hi"}], headers={"X-Trajectory-Id": "t"})
+    before = pool.get_trajectory("t")
+    response = client.post(path, headers={**AUTH, "content-type": "application/json"},
+                           content=json.dumps(body))                     # ASCII-escaped: a lone surrogate survives
+    assert response.status_code in (400, 422), response.text
+    assert field in response.text
+    after = pool.get_trajectory("t")
+    assert (after.status, after.episode_return, after.num_steps) == (before.status, before.episode_return, 1)
+    assert upstream.calls == 1
+
+
+def test_round_header_and_returns_stay_in_range(scripted, pool):
+    client, _ = scripted
+    for bad in ("²".encode("latin-1"), b"99999999999999999999"):          # headers are latin-1: "²" isdigit()
+        refused = chat(client, [{"role": "user", "content": "hi"}], headers={"X-Round": bad})
+        assert "X-Round" in _error(refused, 400)["message"]
+    chat(client, [{"role": "user", "content": "hi"}], headers={"X-Trajectory-Id": "r"})
+    chat(client, [{"role": "user", "content": "hi"}], headers={"X-Trajectory-Id": "r"})
+    assert client.post("/v1/trajectories/r/reward", headers=AUTH, json={"reward": 1e308, "step_index": 0}).status_code == 200
+    overflow = client.post("/v1/trajectories/r/reward", headers=AUTH, json={"reward": 1e308, "step_index": 1})
+    assert "not a finite number" in _error(overflow, 400)["message"]
+    record = client.get("/v1/trajectories/r", headers=AUTH)
+    assert record.json()["episode_return"] == 1e308 and "Infinity" not in record.text
