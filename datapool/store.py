@@ -15,6 +15,7 @@ row (``SELECT ... FOR UPDATE``) and a transaction that loses a race on a unique 
 from __future__ import annotations
 
 import json
+import re
 import os
 import math
 import time
@@ -25,7 +26,7 @@ from typing import Any, Iterator
 import pandas as pd
 from sqlalchemy import func, insert, inspect, select, text, update
 from sqlalchemy.engine import Connection
-from sqlalchemy.exc import IntegrityError
+from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 
 from datapool import curation, reads
 from datapool.records import (FINAL_STATUSES, StepRecord, TrajectoryRecord, is_int, is_real, validate_step,
@@ -51,6 +52,20 @@ R = RequestRow.__table__
 
 
 
+
+class PoolOpenError(ValueError):
+    """The pool's URL or file cannot be opened (bad URL, not a database, server down): one line says why."""
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(getattr(err, "orig", None) or err).strip().splitlines()
+    return text[0] if text else type(err).__name__
+
+
+def _masked(url: str) -> str:
+    """The URL without its password (a pool URL may carry one; errors end up in logs)."""
+    return re.sub(r"(://[^:/@]+):[^@/]*@", r"\1:***@", str(url))
+
 class TrajectoryClosedError(ValueError):
     """A change that needs an open trajectory was asked of a finished one (the gateway answers 409)."""
 
@@ -67,10 +82,19 @@ class DataPool:
             raise ValueError(f"field 'sqlite_synchronous' is {sqlite_synchronous!r}; use one of "
                              f"{', '.join(SQLITE_SYNCHRONOUS)}")
         self.url = url
-        self.engine = make_engine(url, busy_timeout_s, sqlite_synchronous)
+        try:
+            self.engine = make_engine(url, busy_timeout_s, sqlite_synchronous)
+        except (SQLAlchemyError, ImportError) as err:
+            raise PoolOpenError(f"cannot open the data pool {_masked(url)}: {_first_line(err)}: use a SQLite path "
+                                "or a sqlite:/// or postgresql+psycopg:// URL") from err
         self._sqlite = self.engine.dialect.name == "sqlite"
         try:
             self._open_schema()
+        except SQLAlchemyError as err:
+            self.engine.dispose()
+            raise PoolOpenError(f"cannot open the data pool {_masked(url)}: {_first_line(err)}: check that the path "
+                                "is a pool file (not a folder or another file) in a writable folder, or that the "
+                                "database server is running and reachable") from err
         except BaseException:
             self.engine.dispose()
             raise

@@ -32,6 +32,11 @@ class SecurityMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        if sum(name == b"authorization" for name, _ in scope["headers"]) > 1:
+            # one rule for the API and the UI: a request that carries two keys is refused, never half-read
+            await _send_error(send, 400, "more than one Authorization header: send exactly one "
+                                         "`Authorization: Bearer <key>`", code="duplicate_authorization")
+            return
         headers = dict(scope["headers"])
         if not self.allow_no_auth and needs_auth(scope["path"]) and not self._authorized(headers):
             await _send_error(send, 401, "missing or invalid API key: send `Authorization: Bearer <key>` with a key "

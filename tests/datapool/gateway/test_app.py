@@ -444,3 +444,37 @@ def test_round_header_and_returns_stay_in_range(scripted, pool):
     assert "not a finite number" in _error(overflow, 400)["message"]
     record = client.get("/v1/trajectories/r", headers=AUTH)
     assert record.json()["episode_return"] == 1e308 and "Infinity" not in record.text
+
+
+def test_two_authorization_headers_are_refused_by_the_api_and_the_ui_alike(scripted, pool):
+    """Before: the API took the last header and the UI the first, so one request was judged two ways."""
+    client, upstream = scripted
+    twice = [("authorization", "Bearer wrong"), ("authorization", f"Bearer {KEY}")]
+    for method, path in (("POST", "/v1/chat/completions"), ("GET", "/ui/api/trajectories")):
+        response = client.request(method, path, headers=twice,
+                                  json={"messages": [{"role": "user", "content": "hi"}]} if method == "POST" else None)
+        assert _error(response, 400)["code"] == "duplicate_authorization"
+    assert upstream.calls == 0
+    assert_nothing_written(pool)
+
+
+def test_the_gateway_cli_says_in_one_line_why_a_pool_cannot_be_opened(tiny_policy_dir, tmp_path):
+    """Before: a Python traceback for a pool path that is a folder or not a database, a PostgreSQL server that is
+    down, or an unsupported URL."""
+    from typer.testing import CliRunner
+
+    from flows.gateway_cli import gateway_app
+
+    (tmp_path / "garbage.db").write_bytes(b"not a database at all" * 50)
+    (tmp_path / "folder").mkdir()
+    cases = {str(tmp_path / "folder"): "unable to open database file",
+             f"sqlite:///{tmp_path / 'garbage.db'}": "file is not a database",
+             "postgresql+psycopg://user:hunter2@127.0.0.1:9/pool": "Connection refused",
+             "mongodb://x/y": "Can't load plugin"}
+    for url, says in cases.items():
+        result = CliRunner().invoke(gateway_app, ["serve", "--policy", str(tiny_policy_dir), "--pool-url", url,
+                                                  "--api-key", KEY])
+        assert result.exit_code == 2, (url, result.output)
+        assert "cannot open the data pool" in result.output and says in result.output, result.output
+        assert "Traceback" not in result.output and "hunter2" not in result.output
+    assert (tmp_path / "garbage.db").read_bytes() == b"not a database at all" * 50      # left as it was
