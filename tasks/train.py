@@ -71,10 +71,10 @@ def training_rows(frame: pd.DataFrame, cfg: TrainConfig, tokenizer, trials: pd.D
     if cfg.layout == "step_rows":
         rows = [TrainRow(list(r.prompt_ids), list(r.response_ids), list(r.logprobs),
                          result.token_advantages[i, :len(r.response_ids)].tolist(),
-                         [list(c) for c in r.action_choices] if len(r.action_choices) else None)
+                         _choices(getattr(r, "action_choices", None)))
                 for i, r in enumerate(frame.itertuples(index=False))]
         return rows, result.metrics, result
-    if any(len(c) for c in frame["action_choices"]):
+    if "action_choices" in frame and any(len(c) for c in frame["action_choices"]):
         raise ValueError("train.layout concatenated cannot score constrained steps (harness.action_space "
                          "admissible) under their masks yet: use train.layout step_rows")
     frame = frame.assign(_advantage=result.row_advantages.tolist())
@@ -83,6 +83,11 @@ def training_rows(frame: pd.DataFrame, cfg: TrainConfig, tokenizer, trials: pd.D
         spec = concatenated(list(steps.itertuples(index=False)), tokenizer)
         rows.append(spec._replace(step_advantages=tuple(steps["_advantage"]), success=bool(steps["won"].iloc[0])))
     return rows, result.metrics, result
+
+
+def _choices(value) -> list[list[int]] | None:
+    """A step's constrained-decoding choices as lists, or None (free decoding; frames without the column)."""
+    return [list(c) for c in value] if value is not None and len(value) else None
 
 
 def guided_steps(frame: pd.DataFrame, trials: pd.DataFrame, row_advantages: torch.Tensor, *, tau: float = 0.0,

@@ -28,7 +28,8 @@ TINY = {
     "validate": {"drop_zero_variance": False},
     "mine": {"min_support": 0.1},
     "train": {"update": {"micro_batch_size": 32, "epochs": 1}, "optimizer": {"lr": 0.001}},
-    "transfer": {"model": {"hidden_size": 64, "intermediate_size": 128}, "pretrained_scenarios": 2},
+    # SmolLM2 in transfer is tests/tasks/test_real_model.py's (the same pretrained_report); here it would add ~60 s
+    "transfer": {"model": {"hidden_size": 64, "intermediate_size": 128}, "pretrained": []},
 }
 
 
@@ -95,8 +96,8 @@ def test_pipeline_flow_end_to_end(tmp_path, prefect_harness, monkeypatch):
     assert len(transfer["models"]) >= 2
     for entry in transfer["models"].values():
         assert SUMMARY_KEYS <= set(entry["without_skills"]) and SUMMARY_KEYS <= set(entry["with_skills"])
-    smollm2 = transfer["pretrained"]["smollm2-135m-instruct"]                # frozen, through its chat template
-    assert smollm2["scenarios"] == 2 and {"success_gain", "skill_prompt_tokens_per_episode"} <= set(smollm2["carry_over"])
+    assert transfer["pretrained"] == {}
+    assert all({"success_gain", "skill_prompt_tokens_per_episode"} <= set(e["carry_over"]) for e in transfer["models"].values())
 
     # MLflow: one parent run, a nested run per stage with metrics, the round policy registered
     client = mlflow.MlflowClient(tracking_uri=layout.mlflow_uri)
