@@ -167,7 +167,8 @@ def run_episodes(engine: Engine, tokenizer: Any, scenarios: list[Scenario], *, g
             outcomes = call_all([partial(ep.env.step, sent) if call is None else partial(_run_macro, ep.env, call[1],
                                                                                           ep.observation, ep.info)
                                  for ep, (sent, _), call in zip(live, parsed, calls)],
-                                workers=workers, timeout_s=step_timeout_s)
+                                workers=workers, timeout_s=step_timeout_s,
+                                on_timeout=partial(_interrupt_env, [ep.env for ep in live]))
             parsed = [(sent, action) if call is None else (call[0], call[0])
                       for (sent, action), call in zip(parsed, calls)]
             for ep, prompt, ids, gen, text, (_, action), (value, error), choice in zip(
@@ -347,6 +348,14 @@ def check_env_kwargs(env_kwargs: EnvKwargs | None) -> dict[str, dict[str, Any]]:
                          f"with a mapping of kwargs (registered: {sorted(ENVS)}); e.g. "
                          f"{{'frozenlake': {{'max_steps': 8}}}}")
     return {name: dict(values) for name, values in env_kwargs.items()}
+
+
+def _interrupt_env(envs: list[TextEnv], i: int) -> None:
+    """The step of ``envs[i]`` timed out: stop it if the env can (``interrupt()``, e.g. the terminal sandbox kills
+    its command), so the abandoned worker ends now; envs without one just run on."""
+    interrupt = getattr(envs[i], "interrupt", None)
+    if callable(interrupt):
+        interrupt()
 
 
 def _start_episode(scenario: Scenario, env_kwargs: dict) -> tuple[TextEnv, str, str, dict]:

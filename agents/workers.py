@@ -1,8 +1,9 @@
 """A thread pool that runs env calls with a per-call timeout: a call that raises or hangs fails alone.
 
 Python cannot kill a thread, so a call that times out keeps its worker; calls that have not started yet move to a
-fresh pool instead of waiting behind it, and the old pool is shut down without waiting. Envs that need hard limits
-(the terminal sandbox) also bound their own subprocesses.
+fresh pool instead of waiting behind it, and the old pool is shut down without waiting. ``on_timeout`` lets the
+caller stop what the abandoned call started (the rollout interrupts the env: the terminal sandbox kills its command's
+processes), so the worker ends soon instead of running on until the interpreter exits.
 """
 from __future__ import annotations
 
@@ -11,12 +12,14 @@ from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any, Callable
 
 
-def call_all(calls: list[Callable[[], Any]], *, workers: int, timeout_s: float) -> list[tuple[Any, str | None]]:
+def call_all(calls: list[Callable[[], Any]], *, workers: int, timeout_s: float,
+             on_timeout: Callable[[int], None] | None = None) -> list[tuple[Any, str | None]]:
     """Run ``calls`` in a thread pool; per call (value, None) or (None, reason) when it raised or ran too long.
 
     A call's timeout counts from when it starts, not from when it was queued. Python cannot kill a thread: a call
     that times out keeps its worker, so calls that have not started yet move to a fresh pool instead of waiting
-    behind it; the old pool is shut down without waiting.
+    behind it; the old pool is shut down without waiting. ``on_timeout(i)`` runs (in this thread) as soon as call
+    ``i`` is given up, to stop what it is doing; if it raises, the reason says so.
     """
     results: list[tuple[Any, str | None]] = [(None, "not run")] * len(calls)
     timed_out: set[int] = set()
@@ -41,7 +44,7 @@ def call_all(calls: list[Callable[[], Any]], *, workers: int, timeout_s: float) 
                 i = futures[fut]
                 if i in started and now - started[i] > timeout_s and not fut.done():
                     waiting.discard(fut)
-                    results[i] = (None, f"timed out after {timeout_s:g} s")
+                    results[i] = (None, f"timed out after {timeout_s:g} s" + _stop(on_timeout, i))
                     timed_out.add(i)
                     hung = True
             if hung:
@@ -55,3 +58,14 @@ def call_all(calls: list[Callable[[], Any]], *, workers: int, timeout_s: float) 
                 results[i] = (None, f"{type(exc).__name__}: {exc}") if exc is not None else (fut.result(), None)
         pool.shutdown(wait=False, cancel_futures=True)
     return results
+
+
+def _stop(on_timeout: Callable[[int], None] | None, i: int) -> str:
+    """Run the timeout hook for call ``i``; '' or what went wrong (it must not hide the timeout)."""
+    if on_timeout is None:
+        return ""
+    try:
+        on_timeout(i)
+    except Exception as err:  # noqa: BLE001  (a failing hook must not lose the other calls' results)
+        return f"; on_timeout failed: {type(err).__name__}: {err}"
+    return ""

@@ -11,7 +11,11 @@ options, every path inside the sandbox) is an invalid action (``action_valid`` F
 observation says why, nothing ran). A command that runs and fails is valid with ``tool_success`` False. A ``&&``
 chain whose later segment is refused has already run its earlier segments (it is still invalid).
 How commands are contained is in ``terminal_sandbox`` (threat model in its docstring); ``info["sandbox"]`` says which
-protections are active. ``admissible_actions`` is not set: free-form commands cannot be enumerated.
+protections are active. Budgets are per action: all segments and stages of one command share ``command_timeout_s``,
+``max_processes`` and the sandbox's ``disk_quota_bytes``/``max_entries`` (watched while it runs); spending one kills
+the command and the observation says which (``error: disk quota exceeded: the sandbox may hold 8 MiB (killed)``).
+``interrupt()`` (any thread; the rollout calls it when its step timeout fires) kills the command in flight.
+``admissible_actions`` is not set: free-form commands cannot be enumerated.
 Scenario key (``scenario_key``): the task (template, instruction, every file's path and text, solution), not the
 first observation, which lists only the top-level names.
 """
@@ -26,7 +30,8 @@ import weakref
 from envs.base import check_reset_options, register_env
 from envs.terminal_policy import SPECS, VIRTUAL_ROOT
 from envs.terminal_fs import create_sandbox, tree_state
-from envs.terminal_sandbox import CommandResult, Limits, detect_isolation, display_cwd, run_command
+from envs.terminal_sandbox import (INTERRUPTED, Action, CommandResult, Limits, detect_isolation, display_cwd,
+                                   run_command, size_text)
 from envs.terminal_tasks import TEMPLATES, Task, make_task
 
 RESET_OPTIONS: tuple[str, ...] = ("split", "template")
@@ -53,7 +58,8 @@ class TerminalEnv:
     """Sandboxed shell tasks behind the text-env contract (see envs/base.py and the module docstring).
 
     Episodes end on ``submit`` (terminated), when the sandbox outgrows ``disk_quota_bytes``/``max_entries``
-    (terminated, lost), or after ``max_steps`` steps (truncated, lost; the verifier only runs on submit).
+    (terminated, lost), after ``max_steps`` steps (truncated, lost; the verifier only runs on submit), or when
+    ``interrupt``/``close`` stops a command in flight (truncated, lost).
     """
 
     split_aware = True
@@ -81,13 +87,16 @@ class TerminalEnv:
             raise ValueError(f"verbosity must be one of {list(VERBOSITIES)}, got {verbosity!r}")
         if max_output_chars < 40:
             raise ValueError(f"max_output_chars must be >= 40 (room for an error line), got {max_output_chars}")
-        if command_timeout_s <= 0 or min(memory_bytes, max_file_bytes, max_processes) <= 0:
-            raise ValueError("command_timeout_s, memory_bytes, max_file_bytes and max_processes must be > 0")
+        if command_timeout_s <= 0 or min(memory_bytes, max_file_bytes, max_processes, disk_quota_bytes,
+                                         max_entries) <= 0:
+            raise ValueError("command_timeout_s, memory_bytes, max_file_bytes, max_processes, disk_quota_bytes and "
+                             "max_entries must be > 0")
         self.max_steps = int(max_steps)
         self.verbosity = verbosity
         self.max_output_chars = int(max_output_chars)
         self.limits = Limits(timeout_s=float(command_timeout_s), memory_bytes=int(memory_bytes),
-                             file_bytes=int(max_file_bytes), processes=int(max_processes))
+                             file_bytes=int(max_file_bytes), processes=int(max_processes),
+                             disk_bytes=int(disk_quota_bytes), entries=int(max_entries))
         self.disk_quota_bytes = int(disk_quota_bytes)
         self.max_entries = int(max_entries)
         self.invalid_penalty = float(invalid_penalty)
@@ -97,6 +106,7 @@ class TerminalEnv:
         self._task: Task | None = None
         self._root: str | None = None
         self._cleanup: weakref.finalize | None = None
+        self._action: Action | None = None  # the command in flight, for interrupt()
         self._cwd = ""
         self._steps = 0
         self._expert_pos = 0
@@ -133,17 +143,28 @@ class TerminalEnv:
             self._done = True
             obs = "submitted: task complete" if self._won else "submitted: task not complete"
             return obs, float(self._won), True, False, self._info(True, submit_call(), self._won)
-        result = run_command(command, self._root, self._cwd, self.limits, self.isolation, self._owner)
+        root = self._root
+        budget = self._action = Action(self.limits, root)
+        if self._done:  # interrupt() or close() came in since the check above
+            budget.stop(INTERRUPTED)
+        try:
+            result = run_command(command, root, self._cwd, self.limits, self.isolation, self._owner, budget)
+        finally:
+            self._action = None
         self._cwd = result.cwd
         self._track_expert(command, result)
         obs = self._render(command, result)
+        if budget.reason == INTERRUPTED:  # the harness gave up on this step; the tree may be gone
+            self._done = True
+            info = self._info(result.valid, bash_call(command), False, digest="interrupted")
+            return obs, 0.0, False, True, info | {"exit_code": result.exit_code}
         state = tree_state(self._root, self.max_entries)
         terminated = state.total_bytes > self.disk_quota_bytes or state.entries > self.max_entries
         if terminated:
-            obs += f"\nerror: the sandbox is over its quota ({self.disk_quota_bytes // 2**20} MiB, " \
+            obs += f"\nerror: the sandbox is over its quota ({size_text(self.disk_quota_bytes)}, " \
                    f"{self.max_entries} entries): episode over"
         truncated = not terminated and self._steps >= self.max_steps
-        self._done = terminated or truncated
+        self._done = self._done or terminated or truncated  # interrupt() may have ended it meanwhile
         reward = 0.0 if result.valid else 0.0 - self.invalid_penalty
         info = self._info(result.valid, bash_call(command), result.valid and result.exit_code == 0, state.digest)
         info["exit_code"] = result.exit_code
@@ -177,8 +198,25 @@ class TerminalEnv:
         task = self._task
         return repr((task.template, task.text, sorted(task.files.items()), task.solution, self.max_steps))
 
+    def interrupt(self) -> None:
+        """Kill the command in flight, if any, and end the episode; safe from any thread.
+
+        The rollout calls it when its step timeout fires (``agents/workers.call_all``): the step returns at once
+        (truncated, with an ``interrupted`` line) instead of running on in an abandoned thread; later steps raise
+        until ``reset``.
+        """
+        self._done = True
+        action = self._action
+        if action is not None:
+            action.stop(INTERRUPTED)
+
     def close(self) -> None:
-        """Remove this episode's sandbox directory (also done on reset and when the env is garbage collected)."""
+        """Kill the command in flight (``interrupt``) and remove this episode's sandbox directory (also done on
+        reset and when the env is garbage collected)."""
+        action = self._action
+        self.interrupt()
+        if action is not None:
+            action.finished.wait(5.0)  # its step reaps the killed processes: then nothing writes in the tree
         if self._cleanup is not None:
             self._cleanup()
         self._cleanup = None

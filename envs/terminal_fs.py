@@ -49,11 +49,18 @@ class SandboxPaths:
             raise PolicyError(f"{arg}: the sandbox root itself cannot be removed or moved")
         return os.path.relpath(full, self.cwd_real) if arg.startswith("/") else arg
 
-    def symlink(self, target: str, link: str) -> None:
+    def symlink(self, target: str, link: str, *, no_dereference: bool = False) -> None:
+        """Refuse ``ln -s target link`` unless the link it makes resolves inside the sandbox.
+
+        GNU ln puts the link inside ``link`` when that is a directory, or a symlink to one (followed); with
+        ``no_dereference`` (``-n``) a symlink to a directory is the link name itself (``-f`` replaces it), so the
+        target resolves from the symlink's own directory, not from the directory it points to.
+        """
         if target.startswith("/"):
             raise PolicyError("ln -s: the target must be a relative path inside the sandbox")
         link_full = self.full(link)
-        if os.path.isdir(link_full):  # ln puts the link inside an existing directory
+        into_dir = os.path.isdir(link_full) and not (no_dereference and os.path.islink(link_full))
+        if into_dir:
             link_full = os.path.join(link_full, os.path.basename(target.rstrip("/")) or target)
         where = os.path.realpath(os.path.dirname(link_full))
         if not self.inside(os.path.realpath(os.path.join(where, target))):
@@ -133,11 +140,38 @@ def remove_escaping_symlinks(root: str) -> list[str]:
     for dirpath, dirnames, filenames in os.walk(root):
         for name in dirnames + filenames:
             full = os.path.join(dirpath, name)
+            if not os.path.islink(full):
+                continue
             real = os.path.realpath(full)
-            if os.path.islink(full) and real != root and not real.startswith(root + os.sep):
+            if real != root and not real.startswith(root + os.sep):
                 os.unlink(full)
                 removed.append(os.path.relpath(full, root))
     return sorted(removed)
+
+
+def tree_usage(root: str, max_entries: int) -> tuple[int, int]:
+    """(bytes, entries) under ``root`` as ``tree_state`` counts them (lstat sizes, links not followed), cheaply.
+
+    Safe while a command changes the tree (vanished entries are skipped); stops counting past ``max_entries``.
+    """
+    total = entries = 0
+    stack = [root]
+    while stack and entries <= max_entries:
+        try:
+            with os.scandir(stack.pop()) as it:
+                for entry in it:
+                    entries += 1
+                    if entries > max_entries:
+                        break
+                    try:
+                        total += entry.stat(follow_symlinks=False).st_size
+                        if entry.is_dir(follow_symlinks=False):
+                            stack.append(entry.path)
+                    except OSError:
+                        continue
+        except OSError:
+            continue
+    return total, entries
 
 
 @dataclass(frozen=True)

@@ -251,7 +251,7 @@ class PathResolver(Protocol):
 
     def path(self, arg: str, *, allow_root: bool = True) -> str: ...
 
-    def symlink(self, target: str, link: str) -> None: ...
+    def symlink(self, target: str, link: str, *, no_dereference: bool = False) -> None: ...
 
 
 class DryPaths:
@@ -260,7 +260,7 @@ class DryPaths:
     def path(self, arg: str, *, allow_root: bool = True) -> str:
         return arg
 
-    def symlink(self, target: str, link: str) -> None:
+    def symlink(self, target: str, link: str, *, no_dereference: bool = False) -> None:
         return None
 
 
@@ -359,7 +359,7 @@ def _plan_ln(letters: set[str], operands: list[str], paths: PathResolver) -> lis
         raise PolicyError("ln: give exactly two operands: ln [-s] TARGET LINK_NAME")
     target, link = operands
     if "s" in letters:
-        paths.symlink(target, link)
+        paths.symlink(target, link, no_dereference="n" in letters)
         return [target, paths.path(link)]
     return [paths.path(target), paths.path(link)]
 

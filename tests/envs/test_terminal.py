@@ -4,9 +4,7 @@ from __future__ import annotations
 import gc
 import os
 import shlex
-import pathlib
 import shutil
-import tempfile
 import time
 
 import pytest
@@ -212,15 +210,6 @@ def test_arbitrary_text_never_raises(text):
 
 # ----------------------------------------------------------------------------------------------------- escapes
 @pytest.fixture()
-def open_dir():
-    """A temp dir the sandbox uid can enter (pytest's tmp_path has 0700 parents, closed to an unprivileged uid)."""
-    path = tempfile.mkdtemp(prefix="terminal-test-")
-    os.chmod(path, 0o777)
-    yield pathlib.Path(path)
-    shutil.rmtree(path, ignore_errors=True)
-
-
-@pytest.fixture()
 def jailed(open_dir):
     """An env whose sandbox sits at open_dir/box/<temp>, with canaries at open_dir/secret and open_dir/x."""
     for name in ("secret", "x"):
@@ -277,6 +266,18 @@ def test_planted_and_moved_symlinks_never_leak(jailed):
     obs, _ = assert_contained(env, tmp_path, "mv a/b/l l2")
     assert "removed symlink l2" in obs
     assert_contained(env, tmp_path, "cat l2")
+
+
+def test_ln_over_a_link_to_a_directory_is_checked_where_the_link_lands(jailed):
+    """``ln -sfn T L`` replaces the link L itself (-n): T resolves from L's folder, not from where L points."""
+    env, tmp_path = jailed
+    assert env.step("mkdir -p a/b && ln -s a/b L")[4]["action_valid"]
+    obs, info = assert_contained(env, tmp_path, "ln -sfn ../../x L")  # before: allowed (checked from a/b/x)
+    assert obs.startswith("refused: ln -s: ../../x would point outside") and not info["action_valid"]
+    assert os.readlink(os.path.join(env._root, "L")) == "a/b"
+    assert env.step("ln -sfn a L")[4]["exit_code"] == 0 and os.readlink(os.path.join(env._root, "L")) == "a"
+    assert env.step("ln -sf ../x L")[4]["exit_code"] == 0  # without -n: made inside a (a/x -> ../x, inside)
+    assert os.readlink(os.path.join(env._root, "a", "x")) == "../x"
 
 
 def test_runaway_commands_hit_limits_and_the_episode_goes_on(tmp_path):
