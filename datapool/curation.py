@@ -25,6 +25,7 @@ STEP_FLAGS = {
     "invalid_action": S.c.action_valid.is_(False),
     "retokenized": S.c.retokenized.is_(True),
     "tool_failure": S.c.tool_successes < S.c.tool_calls,
+    "prefix_break": S.c.prefix_break.is_(True),
 }
 """flag name -> the condition on a step; a trajectory has the flag when at least one of its steps meets it."""
 

@@ -8,6 +8,13 @@ Failures never raise: the ``QualityReport`` says which expectation failed, how o
 Steps whose token ids were re-derived from text (``retokenized``, an upstream that could not return sampled ids)
 fail the expectation named "no retokenized steps": training on them would silently train on ids the policy never
 sampled. A frame without the column (older files) has none.
+
+Steps flagged ``prefix_break`` (a gateway step whose prompt does not extend the previous step's prompt + response)
+are counted by the expectation named "prefix breaks (counted)", with examples, but do not fail the gate: each such
+step is still exactly what the engine was fed and sampled, so the default step_rows layout trains on it as it is;
+only the concatenated layout re-renders the text between such turns, which it also does, by design, for every
+turn of the rollout loop's own (re-rendered) prompts, which are never flagged. To train without them, find them by
+the ``prefix_break`` flag (``arlflow pool ls --flag prefix_break``, the UI) and exclude them by curation.
 """
 from __future__ import annotations
 
@@ -30,6 +37,9 @@ REQUIRED_COLUMNS: tuple[str, ...] = (
 _INDEX_COLUMNS = ["trajectory_id", "step_index", "group_id"]  # identify the rows behind each example
 MAX_EXAMPLES = 5
 NO_RETOKENIZED = "no retokenized steps"
+PREFIX_BREAKS = "prefix breaks (counted)"
+COUNTED = (PREFIX_BREAKS,)
+"""Expectations that count and show examples but never fail the gate."""
 
 
 @dataclass(frozen=True)
@@ -93,6 +103,11 @@ class QualityReport:
     def failures(self) -> list[dict[str, Any]]:
         return [r for r in self.results if not r["success"]]
 
+    @property
+    def counted(self) -> dict[str, int]:
+        """name -> unexpected count of the COUNTED expectations (they never fail the gate)."""
+        return {r["name"]: r["unexpected_count"] for r in self.results if r["name"] in COUNTED}
+
     def to_dict(self) -> dict[str, Any]:
         return {"success": self.success, "row_count": self.row_count, "message": self.message,
                 "results": [dict(r) for r in self.results]}
@@ -101,10 +116,11 @@ class QualityReport:
         """A readable report: one line per failing expectation with its count and examples."""
         if self.message:
             return f"data quality gate FAILED: {self.message}"
+        counted = "".join(f"; {name}: {count}" for name, count in self.counted.items() if count)
         if self.success:
-            return f"data quality gate passed: {len(self.results)} expectations over {self.row_count} steps"
+            return f"data quality gate passed: {len(self.results)} expectations over {self.row_count} steps{counted}"
         lines = [f"data quality gate FAILED: {len(self.failures)} of {len(self.results)} expectations "
-                 f"over {self.row_count} steps"]
+                 f"over {self.row_count} steps{counted}"]
         for result in self.failures:
             column = f" on column '{result['column']}'" if result["column"] else ""
             name = f" ({result['name']})" if result.get("name") else ""
@@ -126,6 +142,11 @@ def _all_finite(value: Any) -> bool:
     return bool(np.isfinite(np.asarray(value, dtype=np.float64)).all()) if _length(value) else True
 
 
+def _flag(df: pd.DataFrame, name: str) -> pd.Series:
+    """A boolean step flag; False on every row of a frame without the column (files older than the flag)."""
+    return df[name].fillna(False).astype(bool) if name in df.columns else pd.Series(False, index=df.index)
+
+
 def derive_checked_columns(df: pd.DataFrame) -> pd.DataFrame:
     """Scalar columns the suite checks, one row per step."""
     derived = pd.DataFrame({
@@ -137,8 +158,8 @@ def derive_checked_columns(df: pd.DataFrame) -> pd.DataFrame:
         "logprob_len": df["logprobs"].map(_length).astype("int64"),
         "logprobs_finite": df["logprobs"].map(_all_finite).astype(bool),
         "reward": pd.to_numeric(df["reward"], errors="coerce").astype("float64"),
-        "retokenized": (df["retokenized"].fillna(False).astype(bool) if "retokenized" in df.columns
-                        else pd.Series(False, index=df.index)),
+        "retokenized": _flag(df, "retokenized"),
+        "prefix_break": _flag(df, "prefix_break"),
     })
     derived["logprob_len_mismatch"] = (derived["logprob_len"] - derived["response_len"]).abs()
     # distinct trajectories per group; a row whose group_id is null gets 0 (never a valid group size)
@@ -162,6 +183,8 @@ def _suite(limits: QualityLimits) -> gx.ExpectationSuite:
         gxe.ExpectColumnValuesToBeBetween(column="reward", min_value=limits.reward_min, max_value=limits.reward_max),
         gxe.ExpectColumnValuesToBeInSet(column="group_trajectories", value_set=[limits.group_size]),
         gxe.ExpectColumnValuesToBeInSet(column="retokenized", value_set=[False], description=NO_RETOKENIZED),
+        gxe.ExpectColumnValuesToBeInSet(column="prefix_break", value_set=[False], mostly=0.0,
+                                        description=PREFIX_BREAKS),  # mostly=0: counted, never failing
     ):
         suite.add_expectation(expectation)
     return suite
@@ -238,7 +261,8 @@ def validate_steps(df: pd.DataFrame, limits: QualityLimits, *, round: int | None
             "column": column,
             "success": bool(item.success),
             "unexpected_count": int(result.get("unexpected_count") or 0),
-            "examples": [] if item.success else _examples(result, column, derived),
+            "examples": ([] if item.success and not result.get("unexpected_count")
+                         else _examples(result, column, derived)),
         })
     return QualityReport(success=bool(validation.success), results=results, row_count=len(derived))
 

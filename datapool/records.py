@@ -7,7 +7,8 @@ Parquet schema and the defaults of older files (``datapool.parquet``) and the ch
 declarations: a field added here is stored, exported, read back and validated everywhere.
 
 Token ids are the ids the engine sampled; they are never re-tokenized from text (a step whose upstream could only
-return text is re-tokenized and flagged ``retokenized``; the quality gate rejects it by default).
+return text is re-tokenized and flagged ``retokenized``; the quality gate rejects it by default). A gateway step
+whose prompt does not extend the previous step's prompt + response is flagged ``prefix_break`` (counted by the gate).
 """
 from __future__ import annotations
 
@@ -63,6 +64,10 @@ class StepRecord:
                                              "token sequences the response was restricted to, one per admissible "
                                              "action (eos included), the trainer's mask; empty = free decoding",
                                              since=6, default=[])
+    prefix_break: bool = column("bool", "a gateway step that does not extend its predecessor: its prompt_ids do not "
+                                "start with the previous step's prompt_ids + response_ids (a re-sent, edited or "
+                                "re-rendered turn). The rollout loop re-renders by design and never sets it; the "
+                                "concatenated layout re-renders between such turns", since=7, default=False)
 
 
 @dataclass

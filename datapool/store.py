@@ -34,9 +34,11 @@ from datapool.records import (FINAL_STATUSES, StepRecord, TrajectoryRecord, is_i
 from datapool.tables import (MIGRATIONS, SCHEMA_VERSION, SQLITE_SYNCHRONOUS, STEP_COLUMNS, STEPS, TRAJECTORIES, Base,
                              RequestRow, SchemaVersionError, SchemaVersionRow, decode_ids, decode_logprobs, encode_ids,
                              encode_logprobs, make_engine, step_row, trajectory_row)
+from datapool.writability import (FULL, PoolUnwritableError, open_hint, space_problem, sqlite_file,
+                                  unwritable_kind, unwritable_message)
 
-__all__ = ["DataPool", "MIGRATIONS", "SCHEMA_VERSION", "SQLITE_SYNCHRONOUS", "STEP_COLUMNS", "SchemaVersionError",
-           "TRAJECTORY_COLUMNS", "decode_ids", "decode_logprobs", "encode_ids", "encode_logprobs",
+__all__ = ["DataPool", "MIGRATIONS", "PoolUnwritableError", "SCHEMA_VERSION", "SQLITE_SYNCHRONOUS", "STEP_COLUMNS",
+           "SchemaVersionError", "TRAJECTORY_COLUMNS", "decode_ids", "decode_logprobs", "encode_ids", "encode_logprobs",
            "validate_trajectory"]
 
 _ID_CHUNK = 500  # ids per IN (...) query: well under every backend's bound-parameter limit
@@ -69,6 +71,20 @@ def _masked(url: str) -> str:
 class TrajectoryClosedError(ValueError):
     """A change that needs an open trajectory was asked of a finished one (the gateway answers 409)."""
 
+class StepConflictError(ValueError):
+    """append_step(expected_index=k) found another step index next: a concurrent writer appended first."""
+
+def _open_record(trajectory_id: str, *, group_id: str, policy_version: str, env: str = "gateway", split: str = "train",
+                 round: int = 0, scenario: str = "{}", metadata: dict | None = None) -> TrajectoryRecord:
+    """The validated record of a just-opened trajectory: status "open", no steps, return 0.0."""
+    record = TrajectoryRecord(trajectory_id=trajectory_id, group_id=group_id, scenario=scenario, env=env,
+                              split=split, round=round, policy_version=policy_version, status="open",
+                              episode_return=0.0, won=False, num_steps=0, response_tokens=0,
+                              metadata={} if metadata is None else metadata)
+    validate_trajectory(record)
+    return record
+
+
 class DataPool:
     """Trajectories and steps of every round. ``url``: a SQLAlchemy URL (``sqlite:///data/pool.db``,
     ``postgresql+psycopg://...``) or a bare file path (SQLite). Use as a context manager or call ``close()``.
@@ -82,32 +98,51 @@ class DataPool:
             raise ValueError(f"field 'sqlite_synchronous' is {sqlite_synchronous!r}; use one of "
                              f"{', '.join(SQLITE_SYNCHRONOUS)}")
         self.url = url
+        self.write_problem: str | None = None
+        """Why the last write failed for lack of space or permission (PoolUnwritableError's message); cleared
+        only by ``check_writable``, so a small write that still fits does not hide a full disk."""
         try:
             self.engine = make_engine(url, busy_timeout_s, sqlite_synchronous)
         except (SQLAlchemyError, ImportError) as err:
             raise PoolOpenError(f"cannot open the data pool {_masked(url)}: {_first_line(err)}: use a SQLite path "
                                 "or a sqlite:/// or postgresql+psycopg:// URL") from err
+        except OSError as err:  # its folder cannot be created (a file in the way, a read-only mount)
+            why = "a file is in the way" if isinstance(err, (FileExistsError, NotADirectoryError)) else err.strerror
+            raise PoolOpenError(f"cannot open the data pool {_masked(url)}: cannot create its folder "
+                                f"{err.filename}: {why}: use a path whose folders exist or can be created by this "
+                                "process") from err
         self._sqlite = self.engine.dialect.name == "sqlite"
+        self._file = sqlite_file(self.engine.url)
         try:
             self._open_schema()
+        except PoolUnwritableError as err:  # creating or migrating the tables needs a write
+            self.engine.dispose()
+            raise PoolOpenError(str(err)) from err
         except SQLAlchemyError as err:
             self.engine.dispose()
-            raise PoolOpenError(f"cannot open the data pool {_masked(url)}: {_first_line(err)}: check that the path "
-                                "is a pool file (not a folder or another file) in a writable folder, or that the "
-                                "database server is running and reachable") from err
+            raise PoolOpenError(f"cannot open the data pool {_masked(url)}: {_first_line(err)}: "
+                                f"{open_hint(self._file)}") from err
         except BaseException:
             self.engine.dispose()
             raise
 
     @contextmanager
     def _write(self) -> Iterator[Connection]:
-        """One write transaction, committed on exit: it holds SQLite's write lock from its first statement."""
-        with self.engine.begin() as conn:
-            if self._sqlite:
-                # pysqlite opens transactions lazily (and DEFERRED); take the write lock now so no read snapshot
-                # can go stale before our write
-                conn.exec_driver_sql("BEGIN IMMEDIATE")
-            yield conn
+        """One write transaction, committed on exit: it holds SQLite's write lock from its first statement.
+        A write refused for lack of space or permission is rolled back and raised as PoolUnwritableError."""
+        try:
+            with self.engine.begin() as conn:
+                if self._sqlite:
+                    # pysqlite opens transactions lazily (and DEFERRED); take the write lock now so no read snapshot
+                    # can go stale before our write
+                    conn.exec_driver_sql("BEGIN IMMEDIATE")
+                yield conn
+        except (SQLAlchemyError, OSError) as err:
+            kind = unwritable_kind(err, self._file)
+            if kind is None:
+                raise
+            self.write_problem = unwritable_message(kind, _masked(self.url), _first_line(err), self._file)
+            raise PoolUnwritableError(self.write_problem) from err
 
     def _open_schema(self) -> None:
         """Create the tables, or migrate older ones to SCHEMA_VERSION, in one transaction: all steps or none.
@@ -185,11 +220,8 @@ class DataPool:
                         metadata: dict | None = None) -> bool:
         """Create trajectory ``trajectory_id`` with status "open", no steps and return 0.0; False (and nothing
         changed) if it already exists."""
-        record = TrajectoryRecord(trajectory_id=trajectory_id, group_id=group_id, scenario=scenario, env=env,
-                                  split=split, round=round, policy_version=policy_version, status="open",
-                                  episode_return=0.0, won=False, num_steps=0, response_tokens=0,
-                                  metadata={} if metadata is None else metadata)
-        validate_trajectory(record)
+        record = _open_record(trajectory_id, group_id=group_id, policy_version=policy_version, env=env, split=split,
+                              round=round, scenario=scenario, metadata=metadata)
         try:
             with self._write() as conn:
                 if conn.scalar(select(T.c.trajectory_id).where(T.c.trajectory_id == trajectory_id)) is not None:
@@ -199,14 +231,17 @@ class DataPool:
             return False
         return True
 
-    def append_step(self, step: StepRecord, *, idempotency_key: str | None = None,
-                    response: dict | None = None) -> tuple[int, dict | None]:
+    def append_step(self, step: StepRecord, *, idempotency_key: str | None = None, response: dict | None = None,
+                    expected_index: int | None = None, open_as: dict | None = None) -> tuple[int, dict | None]:
         """Append ``step`` to its (open) trajectory in one transaction; return (step_index, None).
 
         The pool assigns ``step.step_index`` (the trajectory's next index; the given one is ignored) and adds the
         step to the trajectory's num_steps, response_tokens and episode_return. With ``idempotency_key``, the key
         and ``response`` (what the gateway answers) are stored in the same transaction; a key seen before writes
-        nothing and returns (its stored step_index, its stored response).
+        nothing and returns (its stored step_index, its stored response). With ``expected_index``, a trajectory whose
+        next index is another one (a concurrent append) raises StepConflictError and nothing is written. With
+        ``open_as`` (open_trajectory's keyword arguments but group_id, which is the step's), a trajectory that does not
+        exist yet is opened in the same transaction: a failed append leaves no empty trajectory behind.
         """
         if idempotency_key is not None and (not isinstance(idempotency_key, str) or not idempotency_key):
             raise ValueError(f"field 'idempotency_key' must be a non-empty str or None, got {idempotency_key!r}")
@@ -221,10 +256,14 @@ class DataPool:
             raise ValueError(f"field 'step' must be a StepRecord, got {type(step).__name__}")
         if not isinstance(step.trajectory_id, str) or not step.trajectory_id:
             raise ValueError(f"field 'trajectory_id' must be a non-empty str, got {step.trajectory_id!r}")
+        opening = None if open_as is None else _open_record(step.trajectory_id, group_id=step.group_id, **open_as)
         for attempt in range(_RETRIES):
             try:
                 with self._write() as conn:
-                    return self._append(conn, step, idempotency_key, response)
+                    if opening is not None and conn.scalar(
+                            select(T.c.trajectory_id).where(T.c.trajectory_id == opening.trajectory_id)) is None:
+                        conn.execute(insert(T), trajectory_row(opening, time.time()))
+                    return self._append(conn, step, idempotency_key, response, expected_index)
             except IntegrityError:
                 # PostgreSQL: the same idempotency key was stored for another trajectory at the same moment; the
                 # next attempt finds it
@@ -238,8 +277,8 @@ class DataPool:
         found = conn.execute(select(R.c.step_index, R.c.response).where(R.c.idempotency_key == key)).first()
         return None if found is None else (found.step_index, found.response)
 
-    def _append(self, conn: Connection, step: StepRecord, key: str | None,
-                response: dict | None) -> tuple[int, dict | None]:
+    def _append(self, conn: Connection, step: StepRecord, key: str | None, response: dict | None,
+                expected_index: int | None = None) -> tuple[int, dict | None]:
         tid = step.trajectory_id
         stored = self._stored_request(conn, key)
         if stored is not None:
@@ -255,6 +294,9 @@ class DataPool:
         validate_step(tid, traj.group_id, step, check_index=False)
         last = conn.scalar(select(func.max(S.c.step_index)).where(S.c.trajectory_id == tid))
         index = 0 if last is None else last + 1
+        if expected_index is not None and index != expected_index:
+            raise StepConflictError(f"trajectory {tid!r} got step {index - 1} from another request while this one "
+                                    f"was built on {expected_index} steps; nothing was written")
         step.step_index = index
         conn.execute(insert(S), step_row(step))
         conn.execute(update(T).where(T.c.trajectory_id == tid).values(
@@ -427,6 +469,27 @@ class DataPool:
         if database and database != ":memory:" and not os.access(database, os.W_OK):
             return f"{database} is not writable"
         return None
+
+    def check_writable(self, *, min_free_bytes: int = 0) -> str | None:
+        """Why the pool cannot take writes now, or None; kept in ``write_problem``. A real write transaction that
+        changes nothing (an immutable or read-only file, a read-only mount, database or role fail it), and for a
+        SQLite file its disk's free space (at least ``min_free_bytes``) and its page limit. Waits for the write
+        lock like any writer; other errors (server down, lock timeout) are raised."""
+        problem = space_problem(_masked(self.url), self._file, min_free_bytes)
+        if problem is None:
+            try:
+                with self._write() as conn:
+                    conn.execute(text("UPDATE schema_version SET version = version WHERE id = 1"))
+                    if self._sqlite:
+                        used, limit, free = (conn.exec_driver_sql(f"PRAGMA {name}").scalar()
+                                             for name in ("page_count", "max_page_count", "freelist_count"))
+                        if used >= limit and not free:
+                            problem = unwritable_message(FULL, _masked(self.url), f"{used} pages, the "
+                                                         "connection's max_page_count", self._file)
+            except PoolUnwritableError as err:
+                problem = str(err)
+        self.write_problem = problem
+        return problem
 
     # -- lifetime
 

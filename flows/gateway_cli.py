@@ -8,7 +8,8 @@ from typing import List, Optional
 import typer
 
 from datapool.gateway.config import GatewayConfig
-from datapool.gateway.server import build_gateway, serve as run_server
+from datapool.gateway.server import bind_socket, build_gateway, serve as run_server
+from datapool.store import PoolUnwritableError
 
 gateway_app = typer.Typer(help="The OpenAI-compatible gateway in front of the data pool.", no_args_is_help=True,
                           pretty_exceptions_enable=False)
@@ -38,6 +39,8 @@ def serve(
                                                                              "(default: the policy folder name)"),
     max_body_bytes: int = typer.Option(1 << 20, "--max-body-bytes", help="largest request body accepted"),
     default_max_tokens: int = typer.Option(64, "--default-max-tokens", help="new tokens when a request sets none"),
+    max_prompt_chars: int = typer.Option(131_072, "--max-prompt-chars", help="most characters of text per request "
+                                                                          "(checked before tokenizing)"),
     log_level: str = typer.Option("warning", "--log-level"),
 ) -> None:
     """Serve /v1/chat/completions, /v1/completions, rewards and the /ui inspection UI."""
@@ -45,14 +48,20 @@ def serve(
     try:
         config = GatewayConfig(api_keys=tuple(keys), allow_no_auth=allow_no_auth, max_body_bytes=max_body_bytes,
                                model_name=model_name, policy_version=policy_version or policy.name,
-                               default_max_tokens=default_max_tokens)
+                               default_max_tokens=default_max_tokens, max_prompt_chars=max_prompt_chars)
         app, pool = build_gateway(config, policy=policy, pool_url=pool_url, upstream_urls=list(upstream or []),
                                   upstream_api_key=upstream_api_key, strategy=strategy)
-    except (ValueError, FileNotFoundError) as err:
+    except (ValueError, OSError, PoolUnwritableError) as err:  # one line, no traceback: what is wrong, what to do
         typer.secho(f"error: {err}", fg=typer.colors.RED, err=True)
         raise typer.Exit(2) from err
     try:
-        run_server(app, host=host, port=port, log_level=log_level)
+        sock = bind_socket(host, port)
+    except ValueError as err:
+        pool.close()
+        typer.secho(f"error: {err}", fg=typer.colors.RED, err=True)
+        raise typer.Exit(2) from err
+    try:
+        run_server(app, host=host, port=port, log_level=log_level, sock=sock)
     finally:
         pool.close()
 

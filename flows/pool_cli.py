@@ -57,6 +57,7 @@ def _step_flags(step: StepRecord, excluded: bool) -> str:
     flags = [name for name, on in (("truncated", step.truncated), ("invalid_action", not step.action_valid),
                                    ("retokenized", step.retokenized),
                                    ("tool_failure", step.tool_successes < step.tool_calls),
+                                   ("prefix_break", step.prefix_break),
                                    ("excluded", excluded)) if on]
     return ",".join(flags) or "-"
 
@@ -71,7 +72,8 @@ def ls(url: str = URL_OPTION,
        max_return: Optional[float] = typer.Option(None, help="episode return <= this"),
        label: Optional[str] = typer.Option(None, help="labelled so (the trajectory or one of its steps)"),
        excluded: Optional[bool] = typer.Option(None, "--excluded/--not-excluded", help="curation exclusion"),
-       flag: Optional[str] = typer.Option(None, help="truncated, invalid_action, retokenized or tool_failure"),
+       flag: Optional[str] = typer.Option(None, help="truncated, invalid_action, retokenized, tool_failure or "
+                                                     "prefix_break"),
        limit: int = typer.Option(50, help="rows to show"),
        offset: int = typer.Option(0, help="rows to skip"),
        as_json: bool = typer.Option(False, "--json", help="print JSON instead of a table")) -> None:

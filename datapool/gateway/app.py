@@ -2,7 +2,7 @@
 
 Routes (also under ``/t/{trajectory_id}``, so an SDK only changes its ``base_url``)::
 
-    GET  /health                          no key needed; 503 when the upstream is down
+    GET  /health                          no key needed; 503 when the upstream is down or the pool unwritable
     GET  /v1/models
     POST /v1/chat/completions             messages, tools, tool_choice, sampling, n, stream (SSE), seed, logprobs
     POST /v1/completions                  prompt as text or token ids; vLLM's return_token_ids
@@ -32,7 +32,8 @@ from datapool.gateway import ui
 from datapool.gateway.chat import ChatRenderer
 from datapool.gateway.committer import GroupCommitter
 from datapool.gateway.config import GatewayConfig
-from datapool.gateway.errors import GatewayError, install_error_handlers
+from datapool.gateway.errors import GatewayError, UnexpectedErrorMiddleware, install_error_handlers
+from datapool.gateway.health import PoolWritability
 from datapool.gateway.recorder import Recorder, RequestContext, Served
 from datapool.gateway.schemas import ChatCompletionRequest, CompleteRequest, CompletionRequest, RewardRequest
 from datapool.gateway.security import SecurityMiddleware
@@ -188,11 +189,13 @@ def _pool_call(fn, trajectory_id: str):
 def create_app(config: GatewayConfig, upstream: Upstream, pool, tokenizer) -> FastAPI:
     """The gateway app over ``upstream`` (where samples come from) and ``pool`` (a ``datapool.store.DataPool``)."""
     committer = GroupCommitter(pool)
+    writability = PoolWritability(pool, min_free_bytes=config.min_free_bytes)
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI):
         yield
         await run_in_threadpool(committer.close)
+        await run_in_threadpool(writability.close)
 
     app = FastAPI(title="arlflow gateway", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
     renderer = ChatRenderer(tokenizer)
@@ -206,9 +209,16 @@ def create_app(config: GatewayConfig, upstream: Upstream, pool, tokenizer) -> Fa
 
     @app.get("/health")
     async def health() -> Response:
-        healthy = await run_in_threadpool(upstream.health)
-        return _json({"status": "ok" if healthy else "upstream_down", "upstream": getattr(upstream, "name", "?")},
-                     status=200 if healthy else 503)
+        # on the event loop, never in the generation threads: both answers are cached marks (upstream.health()
+        # reads the upstreams' marks, writability the pool's last failed write or probe; see gateway.health)
+        problem = await writability.problem()
+        healthy = upstream.health()
+        status = "pool_unwritable" if problem else "ok" if healthy else "upstream_down"
+        body = {"status": status, "upstream": getattr(upstream, "name", "?"), "upstream_healthy": healthy,
+                "pool": "unwritable" if problem else "writable"}
+        if problem:
+            body["pool_problem"] = problem
+        return _json(body, status=200 if status == "ok" else 503)
 
     routes = _api_routes(state)
     app.include_router(routes)
@@ -216,4 +226,5 @@ def create_app(config: GatewayConfig, upstream: Upstream, pool, tokenizer) -> Fa
     app.include_router(ui.router)  # carries its own /ui prefix
     app.add_middleware(SecurityMiddleware, api_keys=config.api_keys, allow_no_auth=config.allow_no_auth,
                        max_body_bytes=config.max_body_bytes)
+    app.add_middleware(UnexpectedErrorMiddleware)  # outermost: no exception reaches uvicorn (it would close)
     return app

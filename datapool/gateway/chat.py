@@ -14,6 +14,9 @@ turn t+1's messages are turn t's messages + the reply the gateway returned + new
 turn t's prompt ids + turn t's response ids + the ids of only the rendered suffix (the template's end-of-turn text
 the model did not produce, then the new messages and the generation prompt). A step's ``anchor`` is a hash of its
 canonical rendering, which is how a later turn finds the turn it extends (also after a gateway restart).
+
+Control-token text in client strings (``<|im_end|>`` typed in a message) is tokenized as text, never as the control
+id: every client string is marked before rendering and the rendering tokenized piecewise (``control_tokens``).
 """
 from __future__ import annotations
 
@@ -23,6 +26,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+from datapool.gateway.control_tokens import ControlTokenError, ControlTokens
 from datapool.records import StepRecord
 from envs.tools import parse_tool_call, tool_call_text
 
@@ -81,32 +85,51 @@ class ChatRenderer:
         self.has_template = bool(getattr(tokenizer, "chat_template", None))
         self.eos_text = tokenizer.eos_token or ""
         self.special_ids = set(tokenizer.all_special_ids)
+        self.control = ControlTokens(tokenizer, tokenizer.chat_template if self.has_template else None)
 
     # -- text
 
     def render(self, messages: Sequence[dict], tools: list[dict] | None, *, add_generation_prompt: bool) -> str:
+        """The text the template renders for ``messages`` (and ``tools``)."""
+        control = self.control
+        return control.unmark(self._render(control.mark(list(messages)), control.mark(tools) if tools else None,
+                                           add_generation_prompt=add_generation_prompt))
+
+    def _render(self, messages: Sequence[dict], tools: list[dict] | None, *, add_generation_prompt: bool) -> str:
+        """The rendering of marked messages and tools (control-token text they hold stays marked)."""
         if self.has_template:
             try:
                 return self.tokenizer.apply_chat_template(list(messages), tools=tools or None, tokenize=False,
                                                           add_generation_prompt=add_generation_prompt)
             except Exception as exc:  # jinja raises its own error types (e.g. "roles must alternate")
                 raise ChatInputError(f"the model's chat template rejected the messages: {exc}") from exc
+        # JSON is dumped from the unmarked values and marked again: json.dumps would escape the markers
+        control = self.control
         parts = []
         if tools:
-            schemas = [tool.get("function", tool) for tool in tools]
-            parts.append(f"system: {TOOLS_PREAMBLE}{json.dumps(schemas, separators=(',', ':'))}{self.eos_text}\n")
+            schemas = [tool.get("function", tool) for tool in control.unmark_value(tools)]
+            parts.append(f"system: {TOOLS_PREAMBLE}{control.mark(json.dumps(schemas, separators=(',', ':')))}"
+                         f"{self.eos_text}\n")
         for message in messages:
             text = message_text(message.get("content"))
-            for call in message.get("tool_calls") or ():
+            for call in control.unmark_value(message.get("tool_calls") or ()):
                 function = call.get("function", {})
-                text += tool_call_text(function.get("name", ""), _arguments(function.get("arguments", {})))
+                text += control.mark(tool_call_text(function.get("name", ""),
+                                                    _arguments(function.get("arguments", {}))))
             parts.append(f"{message['role']}: {text}{self.eos_text}\n")
         if add_generation_prompt:
             parts.append("assistant:")
         return "".join(parts)
 
     def encode(self, text: str) -> list[int]:
+        """Ids of ``text`` with its control-token text as control ids (a completion prompt is the model's input)."""
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def _encode_marked(self, rendered: str) -> list[int]:
+        try:
+            return self.control.encode(rendered)
+        except ControlTokenError as exc:
+            raise ChatInputError(str(exc)) from exc
 
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
@@ -116,29 +139,34 @@ class ChatRenderer:
     def build_prompt(self, messages: list[dict], tools: list[dict] | None,
                      previous_steps: Sequence[StepRecord] = (), *, parse_tools: bool = True) -> ChatPrompt:
         """Prompt ids of ``messages``; prefix-consistent with the step they extend, if one of ``previous_steps``
-        rendered exactly ``messages`` up to their last assistant message and that message is its reply."""
-        canonical = self.render(messages, tools, add_generation_prompt=True)
+        rendered exactly ``messages`` up to their last assistant message and that message is its reply. Rendering
+        and extension run on the marked messages (``ControlTokens.mark``); ``prompt_text`` is unmarked."""
         last_reply = max((i for i, m in enumerate(messages) if m.get("role") == "assistant"), default=None)
         observation = "\n".join(message_text(m.get("content")) for m in messages[(last_reply or -1) + 1:])
+        messages, tools = self.control.mark(list(messages)), self.control.mark(tools) if tools else None
+        canonical = self._render(messages, tools, add_generation_prompt=True)  # marked: anchors tell typed control text
         if last_reply is not None and previous_steps:
             extended = self._extend(messages, tools, last_reply, canonical, previous_steps, parse_tools)
             if extended is not None:
                 step, suffix = extended
                 return ChatPrompt(
-                    prompt_ids=list(step.prompt_ids) + list(step.response_ids) + self.encode(suffix),
-                    prompt_text=step.prompt_text + self.decode(step.response_ids, skip_special_tokens=False) + suffix,
+                    prompt_ids=list(step.prompt_ids) + list(step.response_ids) + self._encode_marked(suffix),
+                    prompt_text=(step.prompt_text + self.decode(step.response_ids, skip_special_tokens=False)
+                                 + self.control.unmark(suffix)),
                     anchor=anchor_of(canonical), observation=observation, extends_step=step.step_index)
-        return ChatPrompt(self.encode(canonical), canonical, anchor_of(canonical), observation, None)
+        return ChatPrompt(self._encode_marked(canonical), self.control.unmark(canonical), anchor_of(canonical),
+                          observation, None)
 
     def _extend(self, messages, tools, j: int, canonical: str, previous_steps, parse_tools: bool):
-        head_anchor = anchor_of(self.render(messages[:j], tools, add_generation_prompt=True))
+        head_anchor = anchor_of(self._render(messages[:j], tools, add_generation_prompt=True))
         step = next((s for s in reversed(previous_steps) if s.anchor == head_anchor), None)
         if step is None:
             return None
-        with_reply = self.render(messages[: j + 1], tools, add_generation_prompt=False)
+        with_reply = self._render(messages[: j + 1], tools, add_generation_prompt=False)
         content, calls = assistant_reply(step.response_text, head_anchor, parse_tools=parse_tools and bool(tools))
-        returned = {"role": "assistant", "content": content, **({"tool_calls": calls} if calls else {})}
-        if self.render([*messages[:j], returned], tools, add_generation_prompt=False) != with_reply:
+        returned = self.control.mark({"role": "assistant", "content": content,
+                                      **({"tool_calls": calls} if calls else {})})
+        if self._render([*messages[:j], returned], tools, add_generation_prompt=False) != with_reply:
             return None  # the client changed the reply: the model did not produce this conversation
         if not canonical.startswith(with_reply):
             return None
@@ -151,8 +179,8 @@ class ChatRenderer:
 
     def _closing(self, head: list[dict], tools) -> str:
         """The text a template writes after an assistant message's content (e.g. ``<|im_end|>\\n``)."""
-        rendered = self.render([*head, {"role": "assistant", "content": _SENTINEL}], tools,
-                               add_generation_prompt=False)
+        rendered = self._render([*head, {"role": "assistant", "content": _SENTINEL}], tools,
+                                add_generation_prompt=False)
         at = rendered.rfind(_SENTINEL)
         return rendered[at + len(_SENTINEL):] if at >= 0 else ""
 

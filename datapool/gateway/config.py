@@ -24,6 +24,13 @@ class GatewayConfig:
     default_top_p: float = 1.0
     max_n: int = 16
     """Most choices (``n``) one request may ask for."""
+    min_free_bytes: int = 1 << 20
+    """A SQLite pool whose disk has less free space than this is reported unwritable by /health (503) and the
+    gateway does not start on it; 0 turns the check off (writes that fail for lack of space are 503s anyway)."""
+    max_prompt_chars: int = 131_072
+    """Most characters in a request's text (all message and tool strings, or a completion's text prompt); a longer
+    request is a 400 before any of it is tokenized (~32k tokens of English: more than the context of the models we
+    serve; raise it for long-context models). Bounds the CPU a request costs within the body limit."""
 
     def __post_init__(self) -> None:
         if not self.allow_no_auth and not self.api_keys:
@@ -41,3 +48,7 @@ class GatewayConfig:
             raise ValueError(f"default_top_p must be in (0, 1], got {self.default_top_p}")
         if self.max_n < 1:
             raise ValueError(f"max_n must be >= 1, got {self.max_n}")
+        if self.min_free_bytes < 0:
+            raise ValueError(f"min_free_bytes must be >= 0, got {self.min_free_bytes}")
+        if self.max_prompt_chars < 1:
+            raise ValueError(f"max_prompt_chars must be >= 1, got {self.max_prompt_chars}")

@@ -2,7 +2,8 @@
 
 The OpenAI SDKs map the status to an exception class (400 BadRequestError, 401 AuthenticationError, 404
 NotFoundError, 409 ConflictError, 413 -> APIStatusError, ...) and show ``message``, so every message says what was
-wrong and what to do.
+wrong and what to do. A pool that cannot be written (disk full, read-only) is a 503 ``pool_unwritable``; anything
+unexpected is a 500 that leaves the connection usable (``UnexpectedErrorMiddleware``).
 """
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
+
+from datapool.writability import PoolUnwritableError
 
 log = logging.getLogger("arlflow.gateway")
 
@@ -32,14 +35,15 @@ class GatewayError(Exception):
         self.code = code
 
 
-def error_body(status: int, message: str, *, param: str | None = None, code: str | None = None) -> bytes:
-    return json.dumps({"error": {"message": message, "type": _TYPES.get(status, "server_error"), "param": param,
-                                 "code": code}}).encode()
+def error_body(status: int, message: str, *, param: str | None = None, code: str | None = None,
+               kind: str | None = None) -> bytes:
+    return json.dumps({"error": {"message": message, "type": kind or _TYPES.get(status, "server_error"),
+                                 "param": param, "code": code}}).encode()
 
 
 def error_response(status: int, message: str, *, param: str | None = None, code: str | None = None,
-                   headers: dict[str, str] | None = None) -> Response:
-    return Response(error_body(status, message, param=param, code=code), status_code=status,
+                   headers: dict[str, str] | None = None, kind: str | None = None) -> Response:
+    return Response(error_body(status, message, param=param, code=code, kind=kind), status_code=status,
                     media_type="application/json", headers=headers)
 
 
@@ -82,14 +86,49 @@ async def _on_http_error(_request: Request, exc: StarletteHTTPException) -> Resp
     return error_response(exc.status_code, message, headers=getattr(exc, "headers", None))
 
 
-async def _on_unexpected(_request: Request, exc: Exception) -> Response:
+async def _on_pool_unwritable(_request: Request, exc: PoolUnwritableError) -> Response:
+    log.error("%s", exc)
+    return error_response(503, str(exc), code="pool_unwritable", kind="server_error")
+
+
+def _unexpected(exc: Exception) -> Response:
     log.exception("gateway request failed", exc_info=exc)
     return error_response(500, f"internal gateway error ({type(exc).__name__}): see the gateway log")
 
 
+class UnexpectedErrorMiddleware:
+    """Answers an exception no handler took with a 500 in OpenAI's shape, and stops it here.
+
+    Starlette's handler for ``Exception`` sends its 500 and then re-raises (for servers to log), and uvicorn
+    answers an exception that escapes the app by closing the connection: the client's next request on that
+    keep-alive connection failed. Add this outermost. A response already under way (a stream cut mid-body) cannot
+    become an error any more: that exception goes on, and the connection closes as it must."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def tracked(message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracked)
+        except Exception as exc:  # noqa: BLE001 - the point: nothing escapes to the server
+            if started:
+                raise
+            await _unexpected(exc)(scope, receive, send)
+
+
 def install_error_handlers(app: FastAPI) -> None:
-    """Every error the app returns is in OpenAI's error shape."""
+    """Every error the app returns is in OpenAI's error shape (with ``UnexpectedErrorMiddleware`` added last)."""
     app.add_exception_handler(GatewayError, _on_gateway_error)
+    app.add_exception_handler(PoolUnwritableError, _on_pool_unwritable)
     app.add_exception_handler(RequestValidationError, _on_validation_error)
     app.add_exception_handler(StarletteHTTPException, _on_http_error)
-    app.add_exception_handler(Exception, _on_unexpected)

@@ -5,6 +5,10 @@ with the step in one ``DataPool.append_step`` transaction, under the request's i
 so a client retry gets the stored response back instead of a second sample, and nothing reaches the client
 before its step is durable. Responses are kept in their full form (with ``token_ids`` / ``prompt_token_ids``);
 ``app.py`` strips the ids when the request did not ask for them.
+
+One turn at a time per trajectory and ``prefix_break`` on a step that does not extend its predecessor:
+``datapool.gateway.turns``. A request whose text is longer than ``max_prompt_chars`` is refused before any of it is
+tokenized.
 """
 from __future__ import annotations
 
@@ -13,15 +17,18 @@ import math
 import time
 import uuid
 from dataclasses import dataclass, replace
+from typing import Sequence
 
 from datapool.gateway.chat import ChatInputError, ChatRenderer, assistant_reply
 from datapool.gateway.committer import GroupCommitter
 from datapool.gateway.config import GatewayConfig
 from datapool.gateway.errors import GatewayError
 from datapool.gateway.schemas import ChatCompletionRequest, CompletionRequest
+from datapool.gateway.turns import TurnGuard, breaks_prefix, text_chars, turn_in_progress
 from datapool.gateway.upstreams import Upstream, UpstreamResult
 from models.openai_pool import upstream_output_problem
 from datapool.records import StepRecord, TrajectoryRecord
+from datapool.store import StepConflictError
 from models.engine import SamplingParams
 
 
@@ -61,6 +68,7 @@ class Recorder:
         self.pool = pool
         self.renderer = renderer
         self.committer = committer
+        self.turns = TurnGuard()
 
     # -- the two generation routes
 
@@ -71,6 +79,12 @@ class Recorder:
         self._check_n(ctx, req.n)
         messages = [m.model_dump(exclude_none=True) for m in req.messages]
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+        self._check_chars(text_chars(messages) + text_chars(tools), "messages")
+        with self.turns.turn(ctx.trajectory_id):
+            return self._chat(ctx, req, messages, tools)
+
+    def _chat(self, ctx: RequestContext, req: ChatCompletionRequest, messages: list[dict],
+              tools: list[dict] | None) -> Served:
         parse_tools = bool(tools) and req.tool_choice != "none"
         previous, existing_group = self._open_steps(ctx)
         try:
@@ -89,17 +103,25 @@ class Recorder:
                             "token_ids": list(result.token_ids)})
             action = "\n".join(f'{c["function"]["name"]}({c["function"]["arguments"]})' for c in calls) or text
             steps.append(self._step(result, prompt.prompt_text, observation=prompt.observation, action=action,
-                                    response_text=text, anchor=prompt.anchor, tool_calls=len(calls)))
+                                    response_text=text, anchor=prompt.anchor, tool_calls=len(calls),
+                                    previous=previous))
         response = self._envelope("chatcmpl", "chat.completion", req.model, choices, results)
-        return self._commit(ctx, steps, response, existing_group, req)
+        return self._commit(ctx, steps, response, existing_group, req, previous)
 
     def completion(self, ctx: RequestContext, req: CompletionRequest) -> Served:
         replay = self._replay(ctx, req)
         if replay is not None:
             return replay
         self._check_n(ctx, req.n)
+        if isinstance(req.prompt, str) or (isinstance(req.prompt, list) and req.prompt
+                                           and isinstance(req.prompt[0], str)):
+            self._check_chars(text_chars(req.prompt), "prompt")
+        with self.turns.turn(ctx.trajectory_id):
+            return self._completion(ctx, req)
+
+    def _completion(self, ctx: RequestContext, req: CompletionRequest) -> Served:
         prompt_ids, prompt_text = self._completion_prompt(req.prompt)
-        _, existing_group = self._open_steps(ctx)
+        previous, existing_group = self._open_steps(ctx)
         results = self._generate(prompt_ids, req, req.max_tokens)
         anchor = hashlib.sha256(str(prompt_ids).encode()).hexdigest()[:32]
         choices, steps = [], []
@@ -110,9 +132,9 @@ class Recorder:
                             "finish_reason": result.finish_reason, "token_ids": list(result.token_ids),
                             "prompt_token_ids": list(result.prompt_ids)})
             steps.append(self._step(result, prompt_text, observation=prompt_text[-2000:], action=text,
-                                    response_text=text, anchor=anchor, tool_calls=0))
+                                    response_text=text, anchor=anchor, tool_calls=0, previous=previous))
         response = self._envelope("cmpl", "text_completion", req.model, choices, results)
-        return self._commit(ctx, steps, response, existing_group, req)
+        return self._commit(ctx, steps, response, existing_group, req, previous)
 
     # -- pieces
 
@@ -124,6 +146,12 @@ class Recorder:
         stored = self.pool.lookup_request(ctx.idempotency_key)
         if stored is None:
             return None
+        stored, ids = self._bound(ctx, req, stored)
+        return Served(stored, ids, None, replayed=True)
+
+    def _bound(self, ctx: RequestContext, req, stored: dict) -> tuple[dict, list[str]]:
+        """(the stored response without its hash, its trajectory ids) if it answered this very request (same
+        trajectory, same body); else 422 ``idempotency_key_reused``."""
         stored = dict(stored)
         digest = stored.pop(REQUEST_HASH, None)
         ids = [c.get("trajectory_id", stored.get("trajectory_id")) for c in stored["choices"]]
@@ -131,11 +159,11 @@ class Recorder:
             raise GatewayError(422, f"Idempotency-Key {ctx.idempotency_key!r} was used for trajectory {ids[0]!r}, "
                                     f"not {ctx.trajectory_id!r}: use a new key per request", param="idempotency_key",
                                code="idempotency_key_reused")
-        if digest is not None and digest != request_hash(req):
+        if digest is not None and req is not None and digest != request_hash(req):
             raise GatewayError(422, f"Idempotency-Key {ctx.idempotency_key!r} was used with another request body: "
                                     "a retry must resend the same body; use a new key for a new request",
                                param="idempotency_key", code="idempotency_key_reused")
-        return Served(stored, ids, None, replayed=True)
+        return stored, ids
 
     def _check_n(self, ctx: RequestContext, n: int) -> None:
         if n > self.config.max_n:
@@ -145,8 +173,17 @@ class Recorder:
                                     "(each choice becomes its own trajectory, grouped by X-Group-Id), or one "
                                     "request per trajectory", param="n")
 
+    def _check_chars(self, chars: int, param: str) -> None:
+        limit = self.config.max_prompt_chars
+        if chars > limit:
+            raise GatewayError(400, f"the request's {param} hold {chars} characters, more than this gateway's "
+                                    f"max_prompt_chars={limit} (checked before tokenizing): shorten the "
+                                    f"{param}, or raise the limit (arlflow gateway serve --max-prompt-chars N, "
+                                    "GatewayConfig.max_prompt_chars)", param=param, code="prompt_too_long")
+
     def _open_steps(self, ctx: RequestContext) -> tuple[list[StepRecord], str | None]:
-        """(steps so far, group id) of the request's trajectory, ([], None) for a new one; 409 if it is finished."""
+        """(steps so far, group id) of the request's trajectory, ([], None) for a new one; 409 if it is finished
+        or if X-Group-Id names another group than the trajectory's."""
         if ctx.trajectory_id is None:
             return [], None
         try:
@@ -157,7 +194,15 @@ class Recorder:
             raise GatewayError(409, f"trajectory {ctx.trajectory_id!r} is already {traj.status}: use a new "
                                     "trajectory id for a new episode", param="trajectory_id",
                                code="trajectory_finished")
+        self._check_group(ctx, traj.group_id)
         return traj.steps, traj.group_id
+
+    @staticmethod
+    def _check_group(ctx: RequestContext, group_id: str) -> None:
+        if ctx.group_id is not None and ctx.group_id != group_id:
+            raise GatewayError(409, f"trajectory {ctx.trajectory_id!r} is in group {group_id!r}, not "
+                                    f"{ctx.group_id!r} (X-Group-Id): a trajectory stays in the group it started in; "
+                                    "send its group id or none", param="group_id", code="group_mismatch")
 
     def _completion_prompt(self, prompt) -> tuple[list[int], str]:
         if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
@@ -204,13 +249,14 @@ class Recorder:
         return results
 
     def _step(self, result: UpstreamResult, prompt_text: str, *, observation: str, action: str, response_text: str,
-              anchor: str, tool_calls: int) -> StepRecord:
+              anchor: str, tool_calls: int, previous: Sequence[StepRecord]) -> StepRecord:
         return StepRecord(
             trajectory_id="", group_id="", step_index=0, prompt_ids=list(result.prompt_ids),
             response_ids=list(result.token_ids), logprobs=list(result.logprobs), prompt_text=prompt_text,
             observation=observation, action=action, response_text=response_text, reward=0.0, anchor=anchor,
             policy_version=self.config.policy_version, truncated=result.finish_reason == "length",
-            tool_calls=tool_calls, retokenized=result.retokenized)
+            tool_calls=tool_calls, retokenized=result.retokenized,
+            prefix_break=breaks_prefix(previous, result.prompt_ids))
 
     def _envelope(self, prefix: str, kind: str, model: str | None, choices: list[dict],
                   results: list[UpstreamResult]) -> dict:
@@ -223,8 +269,9 @@ class Recorder:
                 "prompt_token_ids": list(results[0].prompt_ids)}
 
     def _commit(self, ctx: RequestContext, steps: list[StepRecord], response: dict,
-                existing_group: str | None, req=None) -> Served:
-        """Open the trajectories (one per choice without a trajectory id) and append each step durably."""
+                existing_group: str | None, req=None, previous: Sequence[StepRecord] = ()) -> Served:
+        """Open the trajectories (one per choice without a trajectory id) and append each step durably; a step of
+        a named trajectory only if the trajectory still has exactly the ``previous`` steps it was built on."""
         n = len(steps)
         if ctx.trajectory_id is not None:
             ids = [ctx.trajectory_id]
@@ -242,17 +289,31 @@ class Recorder:
                                    for step, tid in zip(steps, ids)])
             return Served(response, ids, 0)
         first_index = None
+        expected = None if ctx.trajectory_id is None else max((s.step_index for s in previous), default=-1) + 1
         for i, (step, tid) in enumerate(zip(steps, ids)):
-            if existing_group is None:
-                self.pool.open_trajectory(tid, group_id=group_id, policy_version=self.config.policy_version,
-                                          env=ctx.env, round=ctx.round, metadata=metadata)
+            opening = None  # a new trajectory is opened by its first append, in one transaction: a failed append
+            if existing_group is None:  # (pool unwritable) leaves no empty trajectory behind
+                try:
+                    found = self.pool.get_trajectory(tid).group_id
+                except KeyError:
+                    found = None
+                    opening = {"policy_version": self.config.policy_version, "env": ctx.env, "round": ctx.round,
+                               "metadata": metadata}
+                if found is not None and ctx.trajectory_id is not None:  # another gateway process opened it
+                    group_id = found
+                    self._check_group(ctx, group_id)
+                    response["group_id"] = group_id
             key = None if ctx.idempotency_key is None else (
                 ctx.idempotency_key if n == 1 else f"{ctx.idempotency_key}#{i}")
             kept = response if key is None or req is None else {**response, REQUEST_HASH: request_hash(req)}
-            index, stored = self.pool.append_step(replace(step, trajectory_id=tid, group_id=group_id),
-                                                  idempotency_key=key, response=kept)
-            if stored is not None:
-                stored = {k: v for k, v in stored.items() if k != REQUEST_HASH}
+            try:
+                index, stored = self.pool.append_step(replace(step, trajectory_id=tid, group_id=group_id),
+                                                      idempotency_key=key, response=kept, expected_index=expected,
+                                                      open_as=opening)
+            except StepConflictError as exc:
+                raise turn_in_progress(tid) from exc
+            if stored is not None:  # another request under this key committed first: only a retry may share it
+                stored, _ = self._bound(ctx, req, stored)
                 if n == 1:  # a concurrent retry of the same request committed first: answer what it stored
                     return Served(stored, ids, index, replayed=True)
                 response["choices"][i] = stored["choices"][i]

@@ -37,7 +37,9 @@ PROMPT_TAIL_CHARS = 600
 MAX_PAGE = 500
 """Largest ``limit`` the trajectory list accepts."""
 
-STEP_FLAGS = ("truncated", "invalid_action", "retokenized", "tool_failure")
+STEP_FLAGS = ("truncated", "invalid_action", "retokenized", "tool_failure", "prefix_break")
+"""The step flags the UI shows and filters by (``datapool.curation.STEP_FLAGS``)."""
+StepFlag = Literal["truncated", "invalid_action", "retokenized", "tool_failure", "prefix_break"]
 
 
 # ------------------------------------------------------------------------------------------------ errors
@@ -171,7 +173,7 @@ def list_trajectories(
     max_return: float | None = None,
     label: str | None = None,
     excluded: bool | None = None,
-    flag: Literal["truncated", "invalid_action", "retokenized", "tool_failure"] | None = None,
+    flag: StepFlag | None = None,
     limit: int = Query(100, ge=1, le=MAX_PAGE),
     offset: int = Query(0, ge=0),
 ) -> dict[str, Any]:
@@ -193,6 +195,7 @@ def _step_view(step: Any, curation: dict[str, Any] | None) -> dict[str, Any]:
         "invalid_action": not bool(step.action_valid),
         "retokenized": bool(step.retokenized),
         "tool_failure": int(step.tool_successes) < int(step.tool_calls),
+        "prefix_break": bool(step.prefix_break),
     }
     return {
         "step_index": step.step_index,

@@ -185,3 +185,21 @@ def test_retokenized_steps_fail_the_gate_by_default() -> None:
     assert failure["name"] == "no retokenized steps" and failure["unexpected_count"] == 1
     assert failure["examples"][0]["trajectory_id"] == df.loc[3, "trajectory_id"]
     assert "(no retokenized steps): 1 unexpected" in report.render()
+
+
+def test_prefix_breaks_are_counted_with_examples_but_never_fail_the_gate() -> None:
+    """A gateway step that does not extend its predecessor is still exactly what was fed and sampled: counted (the
+    concatenated layout re-renders around it), not failed; frames without the column count none."""
+    assert validate_steps(good_frame(), LIMITS).counted == {"prefix breaks (counted)": 0}
+    df = good_frame()
+    df["prefix_break"] = False
+    df.loc[[3, 5], "prefix_break"] = True
+    report = validate_steps(df, LIMITS)
+    assert report.success and report.counted == {"prefix breaks (counted)": 2}
+    [counted] = [r for r in report.results if r["name"] == "prefix breaks (counted)"]
+    assert counted["success"] and {(e["trajectory_id"], e["step_index"]) for e in counted["examples"]} == {
+        (df.loc[3, "trajectory_id"], 1), (df.loc[5, "trajectory_id"], 1)}
+    assert report.render().endswith("; prefix breaks (counted): 2")
+    df["retokenized"] = df.index == 3  # a failing gate still reports the count
+    failing = validate_steps(df, LIMITS)
+    assert not failing.success and "prefix breaks (counted): 2" in failing.render().splitlines()[0]

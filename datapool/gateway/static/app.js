@@ -9,7 +9,7 @@ const KEY_STORAGE = "arlflow.apiKey";
 const REFRESH_MS = 3000;
 const PAGE_SIZE = 50;
 const STATUSES = ["open", "complete", "truncated", "failed"];
-const FLAGS = ["truncated", "invalid_action", "retokenized", "tool_failure"];
+const FLAGS = ["truncated", "invalid_action", "retokenized", "tool_failure", "prefix_break"];
 let refreshTimer = null;
 
 // ------------------------------------------------------------------------------------------ helpers

@@ -7,29 +7,17 @@ import json
 
 import pytest
 from fastapi.testclient import TestClient
-from gateway_helpers import AUTH, KEY, FailingUpstream, RecordingUpstream, ScriptedUpstream, tiny_engine
+from gateway_helpers import AUTH, KEY, FailingUpstream, RecordingUpstream, ScriptedUpstream
 
 from datapool.gateway.app import create_app
 from datapool.gateway.chat import ChatRenderer
 from datapool.gateway.config import GatewayConfig
 from datapool.gateway.upstreams import LocalEngineUpstream, UpstreamResult
-from datapool.store import DataPool
 
 WEATHER_TOOL = {"type": "function", "function": {"name": "get_weather", "description": "weather of a city",
                                                   "parameters": {"type": "object",
                                                                  "properties": {"city": {"type": "string"}}}}}
 TOOL_TEXT = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
-
-
-@pytest.fixture(scope="module")
-def engine_and_tokenizer(tiny_policy_dir):
-    return tiny_engine(tiny_policy_dir)
-
-
-@pytest.fixture
-def pool(tmp_path):
-    with DataPool(f"sqlite:///{tmp_path / 'pool.db'}") as p:
-        yield p
 
 
 def make_client(pool, upstream, tokenizer, **config) -> TestClient:

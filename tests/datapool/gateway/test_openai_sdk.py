@@ -6,7 +6,7 @@ from __future__ import annotations
 import httpx
 import openai
 import pytest
-from gateway_helpers import KEY, RecordingUpstream, ScriptedUpstream, ThreadedServer, tiny_engine
+from gateway_helpers import KEY, RecordingUpstream, ScriptedUpstream, ThreadedServer
 
 from datapool.gateway.app import create_app
 from datapool.gateway.config import GatewayConfig
@@ -17,11 +17,6 @@ TOOLS = [{"type": "function", "function": {"name": "move", "description": "walk 
                                            "parameters": {"type": "object",
                                                           "properties": {"direction": {"type": "string"}}}}}]
 IDS = {"return_token_ids": True}
-
-
-@pytest.fixture(scope="module")
-def engine_and_tokenizer(tiny_policy_dir):
-    return tiny_engine(tiny_policy_dir)
 
 
 @pytest.fixture

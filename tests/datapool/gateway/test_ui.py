@@ -144,6 +144,7 @@ def test_allow_no_auth_opens_the_api(pool):
     ("flag=invalid_action", {"sk-1"}),
     ("flag=tool_failure", {"sk-2"}),
     ("flag=retokenized", set()),
+    ("flag=prefix_break", set()),
     ("round=0&env=frozenlake&status=", {"fl-1", "fl-2", "fl-3"}),  # an empty filter means "any"
     ("round=1", set()),
 ])
