@@ -1,15 +1,49 @@
 """A thread pool that runs env calls with a per-call timeout: a call that raises or hangs fails alone.
 
 Python cannot kill a thread, so a call that times out keeps its worker; calls that have not started yet move to a
-fresh pool instead of waiting behind it, and the old pool is shut down without waiting. ``on_timeout`` lets the
+fresh pool instead of waiting behind it, and the old pool is shut down without waiting. Its threads are daemons, so
+a call that never returns cannot keep the process alive after the stage is done (``ThreadPoolExecutor`` joins its
+threads at interpreter exit: a stage with one hung env call used to exit only when that call did). ``on_timeout`` lets the
 caller stop what the abandoned call started (the rollout interrupts the env: the terminal sandbox kills its command's
 processes), so the worker ends soon instead of running on until the interpreter exits.
 """
 from __future__ import annotations
 
+import queue
+import threading
 import time
-from concurrent.futures import ThreadPoolExecutor, wait
+from concurrent.futures import Future, wait
 from typing import Any, Callable
+
+
+class DaemonPool:
+    """``workers`` daemon threads running submitted calls (a minimal executor: submit and shutdown)."""
+
+    def __init__(self, workers: int, name: str = "arlflow-env") -> None:
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._threads = [threading.Thread(target=self._work, name=f"{name}_{k}", daemon=True) for k in range(workers)]
+        for thread in self._threads:
+            thread.start()
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
+        future: Future = Future()
+        self._jobs.put((future, fn, args))
+        return future
+
+    def shutdown(self) -> None:
+        """Stop the threads once they finish what they run; never waits (pending calls: cancel them first)."""
+        for _ in self._threads:
+            self._jobs.put(None)
+
+    def _work(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            future, fn, args = job
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn(*args))
+            except BaseException as exc:  # noqa: BLE001  (handed to the caller through the future)
+                future.set_exception(exc)
 
 
 def call_all(calls: list[Callable[[], Any]], *, workers: int, timeout_s: float,
@@ -32,7 +66,7 @@ def call_all(calls: list[Callable[[], Any]], *, workers: int, timeout_s: float,
             started[i] = time.monotonic()
             return calls[i]()
 
-        pool = ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="arlflow-env")
+        pool = DaemonPool(max(1, workers))
         futures = {pool.submit(timed, i): i for i in todo}
         todo = []
         waiting = set(futures)
@@ -56,7 +90,9 @@ def call_all(calls: list[Callable[[], Any]], *, workers: int, timeout_s: float,
             if fut.done() and not fut.cancelled() and i not in timed_out:
                 exc = fut.exception()
                 results[i] = (None, f"{type(exc).__name__}: {exc}") if exc is not None else (fut.result(), None)
-        pool.shutdown(wait=False, cancel_futures=True)
+        for fut in futures:
+            fut.cancel()
+        pool.shutdown()
     return results
 
 

@@ -232,3 +232,18 @@ def test_summarize_hand_computed():
                                 "failed_episodes": 1, "mean_prompt_tokens": 1.0, "tool_calls_per_episode": 0.0,
                                 "mean_skill_prompt_tokens": 0.0, "macro_calls_per_episode": 0.0}
     assert summarize([])["episodes"] == 0
+
+
+def test_a_hung_env_call_does_not_keep_the_process_alive():
+    """Before: ThreadPoolExecutor joins its threads at interpreter exit, so a stage whose env call hung (and timed
+    out) exited only when that call returned. The script below would then take 10 minutes."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = ("import time\nfrom agents.workers import call_all\n"
+              "print(call_all([lambda: time.sleep(600), lambda: 1], workers=2, timeout_s=0.2))\n")
+    done = subprocess.run([sys.executable, "-c", script], cwd=Path(__file__).resolve().parents[2],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "[(None, 'timed out after 0.2 s'), (1, None)]" in done.stdout
