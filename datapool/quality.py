@@ -221,10 +221,27 @@ def _examples(result: dict[str, Any], column: str | None, derived: pd.DataFrame)
     return examples[:MAX_EXAMPLES]
 
 
-def validate_steps(df: pd.DataFrame, limits: QualityLimits, *, round: int | None = None) -> QualityReport:
+STEPLESS = "stepless_trajectories"
+"""steps.parquet metadata key: group id -> episodes of the group that ended before their first step (an env that
+failed at reset). They have no step row, and the group-size check counts them as present, not lost."""
+
+
+def stepless_groups(trajectories) -> dict[str, int]:
+    """group id -> how many of ``trajectories`` (TrajectoryRecords) have no step."""
+    counts: dict[str, int] = {}
+    for traj in trajectories:
+        if not traj.steps:
+            counts[traj.group_id] = counts.get(traj.group_id, 0) + 1
+    return counts
+
+
+def validate_steps(df: pd.DataFrame, limits: QualityLimits, *, round: int | None = None,
+                   stepless: dict[str, int] | None = None) -> QualityReport:
     """Run the step-table suite on ``df`` (from ``DataPool.steps_frame`` or ``read_steps``).
 
-    ``round`` only names the round in messages. An empty frame fails ("no steps for round N").
+    ``round`` only names the round in messages. An empty frame fails ("no steps for round N"). ``stepless`` (the
+    rollout's ``STEPLESS`` metadata) counts, per group, the episodes that have no step row because they failed before
+    their first step, so such a group still has ``group_size`` trajectories.
     """
     missing = [name for name in REQUIRED_COLUMNS if name not in df.columns]
     if missing:
@@ -237,6 +254,8 @@ def validate_steps(df: pd.DataFrame, limits: QualityLimits, *, round: int | None
                                        "column": None,
                                        "success": False, "unexpected_count": 0, "examples": []}])
     derived = derive_checked_columns(df)
+    if stepless:
+        derived["group_trajectories"] += derived["group_id"].map(stepless).fillna(0).astype("int64")
 
     context = gx.get_context(mode="ephemeral")
     context.enable_analytics(False)  # never phone home from a training cluster

@@ -1,6 +1,6 @@
 """Text environments: the contract and registry (base), the envs (importing them registers them), scenario sets."""
 from envs import (  # noqa: F401  (importing an env module registers it)
-    countdown, holdem, household, rps, search_qa, sokoban, terminal, textworld_cooking, tree_search,
+    countdown, faulty, holdem, household, rps, search_qa, sokoban, terminal, textworld_cooking, tree_search,
 )
 from envs.base import ENVS, Scenario, TextEnv, make_env, make_scenario_env, register_env
 from envs.frozenlake import ACTIONS as FROZENLAKE_ACTIONS

@@ -7,6 +7,7 @@ from typing import Any
 from tasks import bootstrap, curate, evaluate, mine, rollout, train, transfer, validate, warmstart
 from tasks.config import Params
 from tasks.layout import Layout
+from tasks.outputs import recover
 from tasks.tracking import log_metrics, stage_run
 
 ROUND_STAGES = ("rollout", "validate", "mine", "train")
@@ -52,13 +53,17 @@ def run_stage_functions(params: Params, layout: Layout, *, include: tuple[str, .
     for stage, round_index in stage_sequence(params.pipeline.rounds):
         if stage not in include or (round_index is not None and round_index < start_round):
             continue
+        recover(layout.root)
         function = STAGE_FUNCTIONS[stage]
         function(params, layout) if round_index is None else function(params, layout, round_index)
 
 
 def execute_stage(stage: str, round_index: int | None, params: Params, layout: Layout) -> dict[str, Any]:
-    """Run one stage function inside its MLflow stage run: the one code path of every stage."""
+    """Run one stage function inside its MLflow stage run: the one code path of every stage. A commit that a
+    killed stage left half-done is rolled forward first, so the stage never reads outputs of two runs mixed
+    (tasks/outputs.py)."""
     check_stage(stage, round_index, params)
+    recover(layout.root)
     function = STAGE_FUNCTIONS[stage]
     with stage_run(layout, params, stage, round_index):
         metrics = function(params, layout) if round_index is None else function(params, layout, round_index)

@@ -90,8 +90,12 @@ class Layout:
         return self.root / ".prefect"
 
     @property
+    def mlflow_db(self) -> Path:
+        return self.root / "mlflow.db"
+
+    @property
     def mlflow_uri(self) -> str:
-        return f"sqlite:///{self.root / 'mlflow.db'}"
+        return f"sqlite:///{self.mlflow_db}"
 
     @property
     def mlflow_artifacts(self) -> Path:

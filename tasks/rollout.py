@@ -10,6 +10,7 @@ from typing import Any
 
 from agents.rollout import run_episodes, summarize
 from datapool.parquet import export_steps
+from datapool.quality import STEPLESS, stepless_groups
 from datapool.records import TrajectoryRecord
 from datapool.store import DataPool
 from skills.lifecycle import RoundBank, load_round_bank
@@ -147,8 +148,9 @@ def run(params: Params, layout: Layout, round_index: int) -> dict[str, Any]:
                                     trials.drop_duplicates("group_id")["test"].value_counts().items()}})
     outputs = [layout.steps(round_index), layout.skill_trials(round_index), layout.round_metrics(round_index, "rollout")]
     with staged_outputs(layout.root, f"rollout_{round_index}", outputs) as out:
-        export_steps(frame, out.path(outputs[0]), metadata={"round": round_index, "policy_version": version,
-                                                             "attempt": attempt})
+        export_steps(frame, out.path(outputs[0]), metadata={
+            "round": round_index, "policy_version": version, "attempt": attempt,
+            STEPLESS: stepless_groups(trajectories)})  # episodes that failed at reset: present, not lost
         write_trials(trials, out.path(outputs[1]))
         write_json(out.path(outputs[2]), metrics)
     return metrics

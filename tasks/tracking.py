@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import mlflow
+from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
 
 from tasks.config import Params, params_to_dict
 from tasks.layout import Layout
@@ -22,9 +23,43 @@ from tasks.layout import Layout
 PARENT_ENV = "ARLFLOW_MLFLOW_PARENT_RUN_ID"
 
 
+def create_sqlite_store(path: Path, artifact_root: str) -> None:
+    """Create the project's SQLite store all at once if it is missing. MLflow builds a new store's tables through
+    dozens of migrations; a stage killed among them left a store that every later stage failed to open ("table
+    webhooks already exists"). It is built in a temporary file and hard-linked into place once complete (a link
+    never replaces a store another stage made first); temporaries of killed builds are removed."""
+    for stale in path.parent.glob(f".{path.name}.tmp-*"):
+        pid = stale.name.split(".tmp-", 1)[1].split("-")[0]       # also its -journal
+        if pid.isdigit() and not _process_alive(int(pid)):
+            stale.unlink(missing_ok=True)
+    if path.exists():
+        return
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.unlink(missing_ok=True)
+    try:
+        SqlAlchemyStore(f"sqlite:///{tmp}", artifact_root).engine.dispose()
+        os.link(tmp, path)
+    except FileExistsError:
+        pass
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, another user's
+        return True
+    return True
+
+
 def configure(layout: Layout, experiment: str) -> str:
     """Point MLflow at the project's store (unless MLFLOW_TRACKING_URI is set) and select the experiment."""
     uri = os.environ.get("MLFLOW_TRACKING_URI") or layout.mlflow_uri
+    if not os.environ.get("MLFLOW_TRACKING_URI"):
+        create_sqlite_store(layout.mlflow_db, layout.mlflow_artifacts.absolute().as_uri())
     mlflow.set_tracking_uri(uri)
     if mlflow.get_experiment_by_name(experiment) is None:
         location = None if os.environ.get("MLFLOW_TRACKING_URI") else layout.mlflow_artifacts.absolute().as_uri()

@@ -6,7 +6,7 @@ from typing import Any
 
 from datapool.curation import apply_curation, drop_failed
 from datapool.parquet import export_steps, read_steps
-from datapool.quality import drop_zero_variance_groups, validate_steps
+from datapool.quality import STEPLESS, drop_zero_variance_groups, validate_steps
 from tasks.common import write_json
 from tasks.config import Params
 from tasks.curate import read_curation
@@ -26,7 +26,8 @@ def run(params: Params, layout: Layout, round_index: int) -> dict[str, Any]:
     frame, metadata = read_steps(require(layout.steps(round_index), f"rollout_{round_index}"))
     snapshot = layout.curation(round_index)
     curation = read_curation(snapshot) if snapshot.exists() else None
-    report = validate_steps(frame, cfg.limits(params.rollout.group_size), round=round_index)
+    report = validate_steps(frame, cfg.limits(params.rollout.group_size), round=round_index,
+                            stepless=metadata.get(STEPLESS))
     report_path = layout.round_metrics(round_index, "validate_report")
     failed_path = report_path.with_name(f"{report_path.stem}.failed.json")
     if not report.success:
@@ -45,7 +46,8 @@ def run(params: Params, layout: Layout, round_index: int) -> dict[str, Any]:
                                  "steps_dropped": 0}))
     metrics = {"round": round_index, "steps_in": steps_in, "steps_out": len(kept),
                "expectations": len(report.results), **stats, **curated, **failed,
-               "failed_kept": bool(cfg.keep_failed), "curation_snapshot": snapshot.exists()}
+               "failed_kept": bool(cfg.keep_failed), "curation_snapshot": snapshot.exists(),
+               "failed_before_first_step": sum((metadata.get(STEPLESS) or {}).values())}  # no rows to drop
     outputs = [layout.validated(round_index), report_path, layout.round_metrics(round_index, "validate")]
     with staged_outputs(layout.root, f"validate_{round_index}", outputs) as out:
         export_steps(kept, out.path(outputs[0]), metadata={**metadata, "validated": True, **stats})

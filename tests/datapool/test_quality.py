@@ -114,6 +114,24 @@ def test_incomplete_group_example_names_each_group_once() -> None:
     assert [e["group_id"] for e in result["examples"]] == [f"g{g}" for g in range(5)]
 
 
+def test_episodes_that_failed_before_their_first_step_count_as_present_not_lost() -> None:
+    """An env that fails at reset leaves a trajectory without step rows; the rollout lists them per group
+    (STEPLESS metadata) so the group-size check passes only for exactly those (before: the round failed the gate)."""
+    from datapool.quality import stepless_groups
+    from datapool.records import TrajectoryRecord
+
+    df = good_frame(groups=2)
+    df = df[df["trajectory_id"] != "g1-t2"]
+    assert not validate_steps(df, LIMITS).success
+    failed = TrajectoryRecord(trajectory_id="g1-t2", group_id="g1", scenario="{}", env="frozenlake", split="train",
+                              round=1, policy_version="v", status="failed", episode_return=0.0, won=False,
+                              num_steps=0, response_tokens=0, steps=[])
+    assert stepless_groups([failed]) == {"g1": 1}
+    assert validate_steps(df, LIMITS, stepless=stepless_groups([failed])).success
+    assert not validate_steps(df, LIMITS, stepless={"g0": 1}).success  # another group's count does not cover it
+    assert not validate_steps(df, LIMITS, stepless={"g1": 2}).success  # nor more than went missing
+
+
 def test_empty_frame_fails_with_a_clear_message() -> None:
     report = validate_steps(good_frame().iloc[:0], LIMITS, round=4)
     assert not report.success and report.row_count == 0
