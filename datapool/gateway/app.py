@@ -147,7 +147,7 @@ def _api_routes(state: dict) -> APIRouter:
             return StreamingResponse(iter(events), media_type="text/event-stream", headers=_headers(served))
         return _json(_client_view(served.response, body.return_token_ids), headers=_headers(served))
 
-    @router.post("/v1/trajectories/{target_id}/reward")
+    @router.post("/v1/trajectories/{target_id:path}/reward")  # :path: rollout ids hold "/"
     async def reward(target_id: str, body: RewardRequest) -> Response:
         def apply():
             pool.set_reward(target_id, body.reward, step_index=body.step_index, require_open=True)
@@ -156,7 +156,7 @@ def _api_routes(state: dict) -> APIRouter:
         return _json({"trajectory_id": target_id, "episode_return": traj.episode_return, "status": traj.status,
                       "num_steps": traj.num_steps})
 
-    @router.post("/v1/trajectories/{target_id}/complete")
+    @router.post("/v1/trajectories/{target_id:path}/complete")
     async def complete(target_id: str, body: CompleteRequest) -> Response:
         def apply():
             pool.finish_trajectory(target_id, status=body.status, won=body.won, require_open=True)
@@ -165,7 +165,7 @@ def _api_routes(state: dict) -> APIRouter:
         return _json({"trajectory_id": target_id, "status": traj.status, "won": traj.won,
                       "episode_return": traj.episode_return, "num_steps": traj.num_steps})
 
-    @router.get("/v1/trajectories/{target_id}")
+    @router.get("/v1/trajectories/{target_id:path}")
     async def get_trajectory(target_id: str) -> Response:
         traj = await run_in_threadpool(_pool_call, lambda: pool.get_trajectory(target_id), target_id)
         return _json(_trajectory_json(traj))

@@ -224,7 +224,7 @@ def _curation_view(row: dict[str, Any] | None) -> dict[str, Any]:
             "note": row.get("note") or "", "updated_at": row.get("updated_at")}
 
 
-@api.get("/trajectories/{trajectory_id}")
+@api.get("/trajectories/{trajectory_id:path}")  # :path: rollout ids hold "/"
 def get_trajectory(request: Request, trajectory_id: str) -> dict[str, Any]:
     """One trajectory with its steps and their curation (labels/exclusions)."""
     pool = _pool(request)
@@ -246,7 +246,7 @@ class CurationBody(BaseModel):
     note: str = Field("", max_length=2000)
 
 
-@api.post("/trajectories/{trajectory_id}/curation")
+@api.post("/trajectories/{trajectory_id:path}/curation")
 def curate(request: Request, trajectory_id: str, body: CurationBody) -> dict[str, Any]:
     """Exclude/include or label a trajectory or one of its steps (kept, never deleted); returns the new state."""
     pool = _pool(request)

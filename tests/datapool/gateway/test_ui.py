@@ -7,6 +7,7 @@ security middleware (with an upstream that is never called).
 from __future__ import annotations
 
 from types import SimpleNamespace
+from urllib.parse import quote
 
 import pytest
 from fastapi import FastAPI
@@ -317,3 +318,24 @@ def test_served_by_create_app_behind_the_gateway_auth(pool, env_like_texts):
         response = client.post("/ui/api/trajectories/fl-1/curation", headers=AUTH, json={"excluded": True})
         assert response.status_code == 200, response.text
     assert pool.curation_of("fl-1")["trajectory"]["excluded"] is True
+
+
+def test_rollout_ids_with_slashes_open_in_the_ui_and_the_read_routes(pool, env_like_texts):
+    """Issue 15: rollout trajectory ids hold '/', '|' and ':' (attempt/scenario|round|policy|episode); before, the
+    UI's /ui/api/trajectories/{id} and GET /v1/trajectories/{id} were 404 "no such route" for every one of them."""
+    tid = "9df688cb14/frozenlake:train:ab12|r1|round_0|2"
+    pool.add_trajectories([make_traj(tid, "9df688cb14/frozenlake:train:ab12|r1|round_0", "frozenlake",
+                                     [make_step(tid, "9df688cb14/frozenlake:train:ab12|r1|round_0", 0)],
+                                     status="open")])
+    tokenizer = train_tokenizer(env_like_texts[:20], vocab_size=300)
+    with TestClient(create_app(GatewayConfig(api_keys=(KEY,)), _NoUpstream(), pool, tokenizer)) as client:
+        for path in (f"/ui/api/trajectories/{quote(tid, safe='')}", f"/v1/trajectories/{quote(tid, safe='')}"):
+            response = client.get(path, headers=AUTH)
+            assert response.status_code == 200 and response.json()["trajectory_id"] == tid, (path, response.text)
+        curated = client.post(f"/ui/api/trajectories/{quote(tid, safe='')}/curation", headers=AUTH,
+                              json={"label": "good"})
+        assert curated.status_code == 200, curated.text
+        done = client.post(f"/v1/trajectories/{quote(tid, safe='')}/complete", headers=AUTH,
+                           json={"status": "complete", "won": True})
+        assert done.status_code == 200 and done.json()["status"] == "complete", done.text
+    assert pool.curation_of(tid)["trajectory"]["label"] == "good" and pool.get_trajectory(tid).won is True
