@@ -7,13 +7,12 @@ from typing import Optional
 
 import typer
 
-from flows import dvc_sync
 from flows.gateway_cli import gateway_app
-from flows.pipeline import STAGE_FLOWS, pipeline_flow
 from flows.pool_cli import pool_app
-from flows.stages import check_stage
-from tasks.config import Params, ParamsError, load_params, params_to_yaml
 from tasks.layout import Layout
+
+# The pipeline, its stages and the config classes import torch, DeepSpeed, transformers, great-expectations and
+# every env (10-20 s on 2 cores): each command imports what it runs, so `arlflow --help` starts at once.
 
 app = typer.Typer(help="arlflow: train multi-turn LLM agents with RL, as a versioned, tracked pipeline.",
                   no_args_is_help=True, pretty_exceptions_enable=False)
@@ -22,6 +21,8 @@ app.add_typer(gateway_app, name="gateway")
 
 
 def _load(root: Path):
+    from tasks.config import ParamsError, load_params
+
     layout = Layout(root.resolve())
     try:
         return layout, load_params(layout.root / "params.yaml")
@@ -32,6 +33,8 @@ def _load(root: Path):
 
 def _require_current_dvc_yaml(params, layout: Layout) -> None:
     """Exit 2 with one line when dvc.yaml does not match params.yaml (rounds) or the stages' code (imports)."""
+    from flows import dvc_sync
+
     try:
         dvc_sync.check_dvc_yaml(params, layout)
     except RuntimeError as err:
@@ -45,6 +48,9 @@ def stage(name: str = typer.Argument(..., help="bootstrap, curate, warmstart, ro
           round: Optional[int] = typer.Option(None, "--round", help="round number for rollout/validate/mine/train"),
           root: Path = typer.Option(Path("."), help="project root (holds params.yaml)")) -> None:
     """Run one stage as its Prefect flow (what each dvc.yaml stage calls)."""
+    from flows.pipeline import STAGE_FLOWS
+    from flows.stages import check_stage
+
     layout, params = _load(root)
     try:
         check_stage(name, round, params)
@@ -58,6 +64,8 @@ def stage(name: str = typer.Argument(..., help="bootstrap, curate, warmstart, ro
 def pipeline(root: Path = typer.Option(Path("."), help="project root (holds params.yaml and dvc.yaml)"),
              force: bool = typer.Option(False, help="rerun every stage even if DVC sees it up to date")) -> None:
     """Run the whole pipeline as one Prefect flow (stages DVC sees as fresh are skipped)."""
+    from flows.pipeline import pipeline_flow
+
     layout, params = _load(root)
     _require_current_dvc_yaml(params, layout)
     result = pipeline_flow(root=str(layout.root), force=force)
@@ -68,6 +76,8 @@ def pipeline(root: Path = typer.Option(Path("."), help="project root (holds para
 def dvc_yaml(root: Path = typer.Option(Path(".")),
              check: bool = typer.Option(False, help="exit 1 if dvc.yaml is out of date instead of writing it")) -> None:
     """Write dvc.yaml from params.yaml (one unrolled set of stages per round)."""
+    from flows import dvc_sync
+
     layout, params = _load(root)
     text = dvc_sync.render_dvc_yaml(params, layout)
     path = layout.root / "dvc.yaml"
@@ -86,6 +96,9 @@ def use_profile(profile: Path = typer.Argument(..., help="a params profile, e.g.
                 root: Path = typer.Option(Path("."), help="project root (holds params.yaml and dvc.yaml)")) -> None:
     """Make params.yaml the defaults with the profile's keys on top (checked like params.yaml; the old file is
     kept as params.yaml.bak) and rewrite dvc.yaml to match."""
+    from flows import dvc_sync
+    from tasks.config import ParamsError, load_params, params_to_yaml
+
     layout = Layout(root.resolve())
     try:
         params = load_params(profile)
@@ -120,6 +133,8 @@ def convert_model(name: str = typer.Argument(..., help="a packaged model, e.g. s
 def check_params(root: Path = typer.Option(Path("."), help="project root (holds params.yaml and dvc.yaml)"),
                  defaults: bool = typer.Option(False, "--defaults", help="print the default config instead")) -> None:
     """Validate params.yaml (and that dvc.yaml matches it) and print the resolved config as YAML."""
+    from tasks.config import Params, params_to_yaml
+
     if defaults:
         typer.echo(params_to_yaml(Params()), nl=False)
         return

@@ -7,9 +7,6 @@ from typing import List, Optional
 
 import typer
 
-from datapool.gateway.config import GatewayConfig
-from datapool.gateway.server import bind_socket, build_gateway, serve as run_server
-from datapool.store import PoolUnwritableError
 
 gateway_app = typer.Typer(help="The OpenAI-compatible gateway in front of the data pool.", no_args_is_help=True,
                           pretty_exceptions_enable=False)
@@ -44,6 +41,10 @@ def serve(
     log_level: str = typer.Option("warning", "--log-level"),
 ) -> None:
     """Serve /v1/chat/completions, /v1/completions, rewards and the /ui inspection UI."""
+    from datapool.gateway.config import GatewayConfig  # here, not at import: `arlflow --help` stays fast
+    from datapool.gateway.server import bind_socket, build_gateway, serve as run_server
+    from datapool.store import PoolUnwritableError
+
     keys = list(api_key or []) + [k for k in os.environ.get("ARLFLOW_GATEWAY_API_KEYS", "").split(",") if k]
     try:
         config = GatewayConfig(api_keys=tuple(keys), allow_no_auth=allow_no_auth, max_body_bytes=max_body_bytes,

@@ -30,7 +30,9 @@ os.dup2(2, 1)
 import alembic.ddl.impl as alembic_impl  # noqa: E402
 import prefect.settings  # noqa: E402
 import tasks.outputs as outputs  # noqa: E402
-from flows.cli import app  # noqa: E402  (the expensive import, done once before any fork)
+import flows.pipeline  # noqa: E402,F401  (the expensive import, done once before any fork: the CLI imports it
+import tasks.config  # noqa: E402,F401   lazily, inside the stage command)
+from flows.cli import app  # noqa: E402
 
 
 def kill_inside_commit() -> None:
