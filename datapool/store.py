@@ -64,7 +64,7 @@ def _first_line(err: BaseException) -> str:
     return text[0] if text else type(err).__name__
 
 
-def _masked(url: str) -> str:
+def masked_url(url: str) -> str:
     """The URL without its password (a pool URL may carry one; errors end up in logs)."""
     return re.sub(r"(://[^:/@]+):[^@/]*@", r"\1:***@", str(url))
 
@@ -104,11 +104,11 @@ class DataPool:
         try:
             self.engine = make_engine(url, busy_timeout_s, sqlite_synchronous)
         except (SQLAlchemyError, ImportError) as err:
-            raise PoolOpenError(f"cannot open the data pool {_masked(url)}: {_first_line(err)}: use a SQLite path "
+            raise PoolOpenError(f"cannot open the data pool {masked_url(url)}: {_first_line(err)}: use a SQLite path "
                                 "or a sqlite:/// or postgresql+psycopg:// URL") from err
         except OSError as err:  # its folder cannot be created (a file in the way, a read-only mount)
             why = "a file is in the way" if isinstance(err, (FileExistsError, NotADirectoryError)) else err.strerror
-            raise PoolOpenError(f"cannot open the data pool {_masked(url)}: cannot create its folder "
+            raise PoolOpenError(f"cannot open the data pool {masked_url(url)}: cannot create its folder "
                                 f"{err.filename}: {why}: use a path whose folders exist or can be created by this "
                                 "process") from err
         self._sqlite = self.engine.dialect.name == "sqlite"
@@ -120,7 +120,7 @@ class DataPool:
             raise PoolOpenError(str(err)) from err
         except SQLAlchemyError as err:
             self.engine.dispose()
-            raise PoolOpenError(f"cannot open the data pool {_masked(url)}: {_first_line(err)}: "
+            raise PoolOpenError(f"cannot open the data pool {masked_url(url)}: {_first_line(err)}: "
                                 f"{open_hint(self._file)}") from err
         except BaseException:
             self.engine.dispose()
@@ -141,7 +141,7 @@ class DataPool:
             kind = unwritable_kind(err, self._file)
             if kind is None:
                 raise
-            self.write_problem = unwritable_message(kind, _masked(self.url), _first_line(err), self._file)
+            self.write_problem = unwritable_message(kind, masked_url(self.url), _first_line(err), self._file)
             raise PoolUnwritableError(self.write_problem) from err
 
     def _open_schema(self) -> None:
@@ -475,7 +475,7 @@ class DataPool:
         changes nothing (an immutable or read-only file, a read-only mount, database or role fail it), and for a
         SQLite file its disk's free space (at least ``min_free_bytes``) and its page limit. Waits for the write
         lock like any writer; other errors (server down, lock timeout) are raised."""
-        problem = space_problem(_masked(self.url), self._file, min_free_bytes)
+        problem = space_problem(masked_url(self.url), self._file, min_free_bytes)
         if problem is None:
             try:
                 with self._write() as conn:
@@ -484,7 +484,7 @@ class DataPool:
                         used, limit, free = (conn.exec_driver_sql(f"PRAGMA {name}").scalar()
                                              for name in ("page_count", "max_page_count", "freelist_count"))
                         if used >= limit and not free:
-                            problem = unwritable_message(FULL, _masked(self.url), f"{used} pages, the "
+                            problem = unwritable_message(FULL, masked_url(self.url), f"{used} pages, the "
                                                          "connection's max_page_count", self._file)
             except PoolUnwritableError as err:
                 problem = str(err)

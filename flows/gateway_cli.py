@@ -43,7 +43,7 @@ def serve(
     """Serve /v1/chat/completions, /v1/completions, rewards and the /ui inspection UI."""
     from datapool.gateway.config import GatewayConfig  # here, not at import: `arlflow --help` stays fast
     from datapool.gateway.server import bind_socket, build_gateway, serve as run_server
-    from datapool.store import PoolUnwritableError
+    from datapool.store import PoolUnwritableError, masked_url
 
     keys = list(api_key or []) + [k for k in os.environ.get("ARLFLOW_GATEWAY_API_KEYS", "").split(",") if k]
     try:
@@ -61,6 +61,9 @@ def serve(
         pool.close()
         typer.secho(f"error: {err}", fg=typer.colors.RED, err=True)
         raise typer.Exit(2) from err
+    base = f"http://{'[' + host + ']' if ':' in host else host}:{sock.getsockname()[1]}"
+    typer.echo(f"arlflow gateway: OpenAI API at {base}/v1, inspection UI at {base}/ui "
+               f"(pool {masked_url(pool_url)}; Ctrl+C stops it)")
     try:
         run_server(app, host=host, port=port, log_level=log_level, sock=sock)
     finally:

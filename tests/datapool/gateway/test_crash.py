@@ -92,6 +92,8 @@ def test_kill_9_under_load_keeps_every_acknowledged_record_exactly_once(tiny_pol
     pool_url = f"sqlite:///{tmp_path / 'pool.db'}"
     gateway = GatewayProcess(tiny_policy_dir, pool_url, free_port(), tmp_path / "gateway.log")
     gateway.start()
+    # it says where it listens (issue 15: it never did)
+    assert f"OpenAI API at {gateway.url}/v1, inspection UI at {gateway.url}/ui" in gateway.log_path.read_text()
     load = Load(gateway.url)
     try:
         with ThreadPoolExecutor(CLIENTS + SINGLES + KEYLESS) as workers:
