@@ -19,11 +19,22 @@ call. Control tokens: the tokenizer's special added tokens, plus the added token
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Any, Callable
 
 _START, _END = "\U000f0a0a", "\U000f0a0b"  # Supplementary Private Use Area-A: no tokenizer maps them to a token
 _ESCAPED_MARKER = re.compile(r"\\udb82\\ude0[ab]|\\U000f0a0[ab]", re.IGNORECASE)
 """A marker as json.dumps(ensure_ascii=True) or Python's repr (a template printing a list or dict) writes it."""
+
+
+def map_strings(fn: Callable[[str], str], value: Any) -> Any:
+    """``value`` with ``fn`` applied to every string in it (through dict values, lists and tuples; keys kept)."""
+    if isinstance(value, str):
+        return fn(value)
+    if isinstance(value, dict):
+        return {key: map_strings(fn, item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [map_strings(fn, item) for item in value]
+    return value
 
 
 class ControlTokenError(ValueError):
@@ -50,23 +61,11 @@ class ControlTokens:
     def mark(self, value: Any) -> Any:
         """``value`` (a string, or the dicts/lists of messages and tools) with every control token (and marker
         character) in its strings wrapped in markers; dict keys are left as they are."""
-        if isinstance(value, str):
-            return self._find.sub(lambda m: f"{_START}{m.group(0)}{_END}", value)
-        if isinstance(value, dict):
-            return {key: self.mark(item) for key, item in value.items()}
-        if isinstance(value, (list, tuple)):
-            return [self.mark(item) for item in value]
-        return value
+        return map_strings(lambda text: self._find.sub(lambda m: f"{_START}{m.group(0)}{_END}", text), value)
 
     def unmark_value(self, value: Any) -> Any:
         """``mark`` undone on a string, dict or list."""
-        if isinstance(value, str):
-            return self.unmark(value)
-        if isinstance(value, dict):
-            return {key: self.unmark_value(item) for key, item in value.items()}
-        if isinstance(value, (list, tuple)):
-            return [self.unmark_value(item) for item in value]
-        return value
+        return map_strings(self.unmark, value)
 
     def unmark(self, text: str) -> str:
         """The rendering as the template writes it from the unmarked strings (a lone marker, left where a template
