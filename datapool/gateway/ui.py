@@ -24,6 +24,7 @@ from fastapi.responses import FileResponse, JSONResponse, RedirectResponse
 from fastapi.routing import APIRoute
 from pydantic import BaseModel, Field, StrictBool
 
+from datapool import reads
 from datapool.batches import build_batch
 from datapool.records import TRAJECTORY_FIELDS
 
@@ -36,6 +37,9 @@ PROMPT_TAIL_CHARS = 600
 
 MAX_PAGE = 500
 """Largest ``limit`` the trajectory list accepts."""
+
+MAX_GROUPS = 500
+"""How many groups of a round the Rounds view lists (the first by group id; the total is shown)."""
 
 STEP_FLAGS = ("truncated", "invalid_action", "retokenized", "tool_failure", "prefix_break")
 """The step flags the UI shows and filters by (``datapool.curation.STEP_FLAGS``)."""
@@ -160,6 +164,20 @@ def ui_config(request: Request) -> dict[str, Any]:
 def stats(request: Request) -> dict[str, Any]:
     """Counts by status/env/round, steps, exclusions (``DataPool.stats``)."""
     return _plain(_pool(request).stats())
+
+
+@api.get("/rounds")
+def rounds(request: Request, env: str | None = None, round: int | None = Query(None, ge=0)) -> dict[str, Any]:
+    """The Rounds view: every round's summary (``reads.round_summaries``) and the reward distribution of one
+    round's groups (``round``, default the latest), of ``env``'s trajectories when given (empty means "any").
+    Apart from ``/stats``, which the live list polls: this one scans every step."""
+    env = env or None
+    with _pool(request).engine.connect() as conn:
+        summaries = reads.round_summaries(conn, env=env)
+        if round is None and summaries:
+            round = summaries[-1]["round"]
+        groups, total = reads.group_returns(conn, round, env=env, limit=MAX_GROUPS) if round is not None else ([], 0)
+    return _plain({"env": env, "rounds": summaries, "group_round": round, "groups": groups, "groups_total": total})
 
 
 @api.get("/trajectories")

@@ -1,6 +1,7 @@
 "use strict";
 // arlflow data pool UI: plain JS, no framework, no build step. The URL hash picks the view:
 //   #/?env=..&round=..   live trajectory list      #/t/<id>   one trajectory      #/batch   batch preview
+//   #/rounds?env=..&round=..   per-round charts and one round's groups (inline SVG: nothing loaded from outside)
 // All data comes from the JSON API under <this page>/api and is inserted as text (never as HTML): trajectories
 // hold arbitrary agent output.
 
@@ -16,7 +17,16 @@ let refreshTimer = null;
 
 /** Create an element: el("a", {href: "#/", "data-testid": "x", onclick: fn}, "text", child). */
 function el(tag, attrs = {}, ...children) {
-  const node = document.createElement(tag);
+  return fill(document.createElement(tag), attrs, children);
+}
+
+/** Create an SVG element, with attributes and children as el() takes them. */
+function svg(tag, attrs = {}, ...children) {
+  return fill(document.createElementNS("http://www.w3.org/2000/svg", tag), attrs, children);
+}
+
+/** Set el()'s attributes and handlers on `node` and append its children (strings as text, never as HTML). */
+function fill(node, attrs, children) {
   for (const [name, value] of Object.entries(attrs)) {
     if (value === null || value === undefined || value === false) continue;
     if (name.startsWith("on")) node.addEventListener(name.slice(2), value);
@@ -35,6 +45,11 @@ function fmt(value, digits = 3) {
   if (typeof value === "boolean") return value ? "yes" : "no";
   if (typeof value === "object") return JSON.stringify(value);
   return String(value);
+}
+
+/** A rate in [0, 1] as a percentage with one decimal ("" for none: a round without steps). */
+function pct(value) {
+  return value === null || value === undefined ? "" : (100 * value).toFixed(1) + "%";
 }
 
 /** Epoch seconds as local date and time ("" for none: rows written before schema version 4). */
@@ -301,6 +316,134 @@ function renderBatch(view) {
     form, result);
 }
 
+// ------------------------------------------------------------------------------------- rounds view
+
+/** The rounds table's columns (the charts draw some of them): [title, value of a round summary, formatter]. */
+const ROUND_COLUMNS = [
+  ["trajectories", (r) => r.trajectories, fmt],
+  ["success", (r) => r.success_rate, pct],
+  ["mean return", (r) => r.mean_return, fmt],
+  ["truncated episodes", (r) => r.truncated_episode_rate, pct],
+  ["failed episodes", (r) => r.failed_episode_rate, pct],
+  ["steps", (r) => r.steps, fmt],
+  ["invalid actions", (r) => r.invalid_action_rate, pct],
+  ["truncated responses", (r) => r.truncated_response_rate, pct],
+  ["prompt tokens mean", (r) => r.prompt_tokens && r.prompt_tokens.mean, (v) => fmt(v, 1)],
+  ["prompt tokens p95", (r) => r.prompt_tokens && r.prompt_tokens.p95, fmt],
+  ["response tokens mean", (r) => r.response_tokens && r.response_tokens.mean, (v) => fmt(v, 1)],
+  ["response tokens p95", (r) => r.response_tokens && r.response_tokens.p95, fmt],
+];
+
+/** One bar per round (a second, lighter bar per round when `second` is given, e.g. p95 beside the mean); bars
+ *  grow from 0, rates on a fixed 0-100% scale, negative values below the zero line. */
+function barChart(title, rounds, value, format, {rate = false, second = null, legend = null} = {}) {
+  const values = rounds.map(value), extra = second ? rounds.map(second) : [];
+  const finite = [...values, ...extra].filter((v) => typeof v === "number");
+  const top = rate ? 1 : Math.max(0, ...finite), bottom = rate ? 0 : Math.min(0, ...finite);
+  const span = top - bottom || 1, height = 110, pad = 16, slot = second ? 56 : 36;
+  const width = Math.max(220, 36 + rounds.length * slot);
+  const y = (v) => pad + (top - v) / span * height;
+  const bars = rounds.flatMap((r, i) => [[values[i], "bar"], ...(second ? [[extra[i], "bar second"]] : [])]
+    .map(([v, cls], k) => {
+      if (typeof v !== "number") return null;
+      const x = 34 + i * slot + k * 20;
+      return svg("g", {},
+        svg("rect", {class: cls, x, width: 14, y: Math.min(y(v), y(0)), height: Math.max(1, Math.abs(y(v) - y(0)))},
+          svg("title", {}, `round ${r.round}: ${format(v)}`)),
+        svg("text", {class: "value", x: x + 7, y: Math.min(y(v), y(0)) - 3}, format(v)));
+    }));
+  const labels = rounds.map((r, i) => svg("text", {class: "axis", x: 34 + i * slot + (second ? 17 : 7),
+                                                   y: pad + height + 13}, "r" + r.round));
+  return el("figure", {class: "chart", "data-testid": "round-chart"},
+    el("figcaption", {}, title, legend ? el("span", {class: "legend"}, legend) : null),
+    svg("svg", {width, height: height + pad + 18, role: "img", "aria-label": title},
+      svg("line", {class: "zero", x1: 30, x2: width - 4, y1: y(0), y2: y(0)}),
+      svg("text", {class: "scale", x: 2, y: pad + 4}, rate ? "100%" : format(top)),
+      bars, labels));
+}
+
+/** The returns of one group as dots on a line spanning [lo, hi] (the round's range), the mean as a tick. */
+function returnStrip(group, lo, hi) {
+  const width = 180, x = (v) => 6 + (hi > lo ? (v - lo) / (hi - lo) : 0.5) * (width - 12);
+  return svg("svg", {width, height: 18, class: "strip", role: "img",
+                     "aria-label": `returns ${group.returns.map((v) => fmt(v)).join(", ")}`},
+    svg("line", {class: "zero", x1: 6, x2: width - 6, y1: 9, y2: 9}),
+    group.returns.map((v) => svg("circle", {cx: x(v), cy: 9, r: 3.5}, svg("title", {}, fmt(v)))),
+    svg("line", {class: "mean", x1: x(group.mean_return), x2: x(group.mean_return), y1: 2, y2: 16}));
+}
+
+async function renderRounds(view, params) {
+  const env = params.get("env") || "", round = params.get("round") || "";
+  const query = new URLSearchParams();
+  if (env) query.set("env", env);
+  if (round) query.set("round", round);
+  let data, counts;
+  try {
+    [data, counts] = await Promise.all([api("/rounds?" + query), api("/stats")]);
+  } catch (err) {
+    view.append(el("p", {class: "error"}, err.message));
+    return;
+  }
+  const rounds = data.rounds;
+  const pick = (event) => {  // another env: its rounds, and its latest round's groups
+    const value = event.target.value;
+    location.hash = "#/rounds" + (value ? "?" + new URLSearchParams({env: value}) : "");
+  };
+  const form = el("form", {class: "filters", onsubmit: (e) => e.preventDefault()},
+    el("label", {}, "env ", el("select", {"data-testid": "rounds-env", onchange: pick},
+      el("option", {value: ""}, "any"),
+      Object.keys(counts.by_env || {}).map((e) => el("option", {value: e, selected: e === env}, e)))));
+  view.append(el("h2", {}, "Rounds"),
+    el("p", {}, "Every trajectory the pool holds (curated ones included), by pipeline round. Invalid actions, ",
+       "truncated responses and tokens are per step; success and the other rates per episode."), form);
+  if (!rounds.length) {
+    view.append(el("p", {"data-testid": "rounds-empty"}, "no trajectories" + (env ? ` of env ${env}` : "")));
+    return;
+  }
+  const column = (title) => ROUND_COLUMNS.find((c) => c[0] === title);
+  const chart = (title, name, options = {}) => barChart(title, rounds, column(name)[1], column(name)[2], options);
+  view.append(
+    el("div", {class: "charts"},
+      chart("success rate", "success", {rate: true}),
+      chart("mean return", "mean return"),
+      chart("invalid actions (per step)", "invalid actions", {rate: true}),
+      chart("truncated responses (per step)", "truncated responses", {rate: true}),
+      chart("truncated episodes", "truncated episodes", {rate: true}),
+      chart("prompt tokens per step", "prompt tokens mean",
+            {second: column("prompt tokens p95")[1], legend: "mean, p95"}),
+      chart("response tokens per step", "response tokens mean",
+            {second: column("response tokens p95")[1], legend: "mean, p95"})),
+    el("table", {class: "rounds", "data-testid": "rounds-table"},
+      el("thead", {}, el("tr", {}, el("th", {}, "round"), ROUND_COLUMNS.map(([title]) => el("th", {}, title)))),
+      el("tbody", {}, rounds.map((r) => el("tr", {"data-testid": "round-row", "data-round": r.round},
+        el("td", {class: "num"}, el("a", {href: "#/rounds?" + new URLSearchParams(
+          env ? {env, round: r.round} : {round: r.round})}, r.round)),
+        ROUND_COLUMNS.map(([title, value, format]) => el("td", {class: "num", "data-field": title,
+                                                                 "data-value": value(r)}, format(value(r)))))))));
+
+  const groups = data.groups;
+  if (!groups.length) {
+    view.append(el("p", {"data-testid": "groups-title"}, `round ${data.group_round} has no groups`));
+    return;
+  }
+  const returns = groups.flatMap((g) => g.returns).filter((v) => typeof v === "number");
+  const lo = Math.min(...returns), hi = Math.max(...returns);
+  view.append(
+    el("h3", {"data-testid": "groups-title"}, `Groups of round ${data.group_round}`,
+       data.groups_total > groups.length ? ` (first ${groups.length} of ${data.groups_total})` : ""),
+    el("p", {}, "Each group's returns (one dot per trajectory, the tick is the mean) on the round's scale, ",
+       `${fmt(lo)} to ${fmt(hi)}. A group whose returns are all equal carries no signal for GRPO.`),
+    el("table", {class: "groups", "data-testid": "groups-table"},
+      el("thead", {}, el("tr", {}, ["group", "env", "trajectories", "won", "min", "mean", "max", "returns"]
+        .map((h) => el("th", {}, h)))),
+      el("tbody", {}, groups.map((g) => el("tr", {"data-testid": "group-row", "data-group": g.group_id},
+        el("td", {}, g.group_id), el("td", {}, g.env),
+        el("td", {class: "num"}, g.trajectories), el("td", {class: "num"}, g.won),
+        ["min_return", "mean_return", "max_return"].map((f) => el("td", {class: "num", "data-field": f,
+                                                                         "data-value": g[f]}, fmt(g[f]))),
+        el("td", {}, returnStrip(g, lo, hi)))))));
+}
+
 // ------------------------------------------------------------------------------------------ routing
 
 function route() {
@@ -311,6 +454,7 @@ function route() {
   view.replaceChildren();
   if (path.startsWith("/t/")) renderTrajectory(view, decodeURIComponent(path.slice(3)));
   else if (path === "/batch") renderBatch(view);
+  else if (path === "/rounds") renderRounds(view, new URLSearchParams(query || ""));
   else renderList(view, new URLSearchParams(query || ""));
 }
 

@@ -6,6 +6,7 @@ security middleware (with an upstream that is never called).
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from types import SimpleNamespace
 from urllib.parse import quote
 
@@ -15,6 +16,7 @@ from fastapi.testclient import TestClient
 
 from datapool.gateway.app import create_app
 from datapool.gateway.config import GatewayConfig
+from datapool.gateway import ui
 from datapool.gateway.ui import PROMPT_TAIL_CHARS, router
 from datapool.records import StepRecord, TrajectoryRecord
 from datapool.store import DataPool
@@ -119,7 +121,7 @@ def test_static_route_serves_only_its_own_files(client, name):
 def test_api_needs_a_valid_bearer_key(client):
     assert client.get("/ui/config").json()["auth_required"] is True
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}, {"Authorization": "Basic x"}):
-        for path in ("/ui/api/trajectories", "/ui/api/stats", "/ui/api/trajectories/fl-1"):
+        for path in ("/ui/api/trajectories", "/ui/api/stats", "/ui/api/rounds", "/ui/api/trajectories/fl-1"):
             error = assert_openai_error(client.get(path, headers=headers), 401, contains="API key")
             assert error["type"] == "authentication_error"
     response = client.post("/ui/api/trajectories/fl-1/curation", json={"excluded": True})
@@ -176,6 +178,60 @@ def test_stats(client):
     assert stats["by_env"] == {"frozenlake": 3, "sokoban": 3} and stats["by_round"] == {"0": 6}
     client.post("/ui/api/trajectories/sk-1/curation", headers=AUTH, json={"step_index": 2, "excluded": True})
     assert client.get("/ui/api/stats", headers=AUTH).json()["excluded_steps"] == 1
+
+
+# ------------------------------------------------------------------------------------------ rounds view
+
+def add_round_1(pool: DataPool) -> None:
+    """Round 1, one group: r1-a won in 19 steps of 10 prompt tokens; r1-b hit the step limit after 1 step of 50
+    prompt tokens, its response cut and its action invalid. 20 steps: nearest-rank p95 is the 19th, 10 tokens."""
+    won = [make_step("r1-a", "g-r1", k, reward=1.0 if k == 18 else 0.0) for k in range(19)]
+    cut = [make_step("r1-b", "g-r1", 0, prompt_ids=list(range(50)), truncated=True, action="", action_valid=False)]
+    pool.add_trajectories([replace(make_traj("r1-a", "g-r1", "frozenlake", won, won=True), round=1),
+                           replace(make_traj("r1-b", "g-r1", "frozenlake", cut, status="truncated"), round=1)])
+
+
+def rounds_view(client, query: str = "") -> dict:
+    response = client.get(f"/ui/api/rounds{query}", headers=AUTH)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def test_rounds_view_summarizes_every_round(client, pool):
+    add_round_1(pool)
+    view = rounds_view(client)
+    first, second = view["rounds"]
+    # round 0 (seed_pool): returns 1, 0, .25, .5, -1, 0; fl-1 won; sk-3 failed; 11 steps of 10 + 5 tokens,
+    # sk-1's step 1 invalid, fl-2's step 1 cut
+    assert first == {"round": 0, "trajectories": 6, "mean_return": pytest.approx(0.125),
+                     "success_rate": pytest.approx(1 / 6), "truncated_episode_rate": 0.0,
+                     "failed_episode_rate": pytest.approx(1 / 6), "steps": 11,
+                     "invalid_action_rate": pytest.approx(1 / 11), "truncated_response_rate": pytest.approx(1 / 11),
+                     "prompt_tokens": {"mean": 10.0, "p95": 10}, "response_tokens": {"mean": 5.0, "p95": 5}}
+    assert second == {"round": 1, "trajectories": 2, "mean_return": 0.5, "success_rate": 0.5,
+                      "truncated_episode_rate": 0.5, "failed_episode_rate": 0.0, "steps": 20,
+                      "invalid_action_rate": 0.05, "truncated_response_rate": 0.05,
+                      "prompt_tokens": {"mean": 12.0, "p95": 10}, "response_tokens": {"mean": 5.0, "p95": 5}}
+    # the groups of the latest round by default
+    assert (view["group_round"], view["groups_total"]) == (1, 1)
+    assert view["groups"] == [{"group_id": "g-r1", "env": "frozenlake", "trajectories": 2, "won": 1,
+                               "min_return": 0.0, "mean_return": 0.5, "max_return": 1.0, "returns": [0.0, 1.0]}]
+
+
+def test_rounds_view_groups_of_a_round_and_an_env(client, pool, monkeypatch):
+    add_round_1(pool)
+    groups = rounds_view(client, "?round=0")["groups"]
+    assert [(g["group_id"], g["returns"], g["won"]) for g in groups] == [
+        ("g-fl-a", [0.0, 1.0], 1), ("g-fl-b", [0.25], 0), ("g-sk", [-1.0, 0.0, 0.5], 0)]
+    assert groups[2]["mean_return"] == pytest.approx(-1 / 6) and groups[2]["min_return"] == -1.0
+    sokoban = rounds_view(client, "?env=sokoban")
+    assert [r["round"] for r in sokoban["rounds"]] == [0] and sokoban["rounds"][0]["trajectories"] == 3
+    assert sokoban["group_round"] == 0 and [g["group_id"] for g in sokoban["groups"]] == ["g-sk"]
+    assert rounds_view(client, "?round=7")["groups"] == [] and rounds_view(client, "?env=none")["rounds"] == []
+    monkeypatch.setattr(ui, "MAX_GROUPS", 2)
+    capped = rounds_view(client, "?round=0")
+    assert [g["group_id"] for g in capped["groups"]] == ["g-fl-a", "g-fl-b"] and capped["groups_total"] == 3
+    assert_openai_error(client.get("/ui/api/rounds?round=-1", headers=AUTH), 400, param="round")
 
 
 # ------------------------------------------------------------------------------------ one trajectory

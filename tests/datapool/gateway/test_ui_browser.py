@@ -157,5 +157,5 @@ def test_filter_open_exclude_reload_persisted(served, page):
     expect(page.get_by_test_id("batch-group")).to_have_count(2)
     expect(page.get_by_test_id("batch-result")).to_contain_text("g-maze")
     expect(page.locator('[data-field="dropped.excluded_trajectories"]')).to_have_text("1")  # box-a, by its step
-    if os.environ.get("ARLFLOW_UI_SCREENSHOTS"):
-        page.screenshot(path=os.path.join(os.environ["ARLFLOW_UI_SCREENSHOTS"], "batch.png"), full_page=True)
+    if os.environ.get("ARLFLOW_SCREENSHOTS"):
+        page.screenshot(path=os.path.join(os.environ["ARLFLOW_SCREENSHOTS"], "batch.png"), full_page=True)
