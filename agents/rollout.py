@@ -90,7 +90,7 @@ def run_episodes(engine: Engine, tokenizer: Any, scenarios: list[Scenario], *, g
                  process_alpha: float = 0.1, skills_for: SkillsFor | None = None, env_kwargs: EnvKwargs | None = None,
                  step_timeout_s: float = 10.0, workers: int = 4, progress: bool = True, seed: int = 0,
                  max_turns: int = 256, skills_per_step: bool = False, chat_template: bool = False,
-                 action_space: str = "free") -> list[TrajectoryRecord]:
+                 action_space: str = "free", label: str | None = None) -> list[TrajectoryRecord]:
     """Run ``group_size`` episodes of every scenario with ``engine``; one TrajectoryRecord per episode.
 
     Records come back in (scenario, episode index) order. ``context`` names the context manager and
@@ -101,7 +101,8 @@ def run_episodes(engine: Engine, tokenizer: Any, scenarios: list[Scenario], *, g
     never truncate: episodes still live then end as ``"truncated"``. ``skills_for`` fills the prompt's skill slot
     from a SkillQuery at reset, and again every turn with ``skills_per_step``. ``action_space="admissible"``
     restricts each response to the token sequences of the admissible actions shown (``action_choices``), recorded
-    on the step for the trainer's mask.
+    on the step for the trainer's mask. ``progress``: a tqdm bar named ``label`` (default ``rollout r<round>``)
+    over episodes, with the episodes won and env steps taken so far.
     """
     if group_size < 1:
         raise ValueError(f"group_size must be >= 1, got {group_size}")
@@ -125,7 +126,7 @@ def run_episodes(engine: Engine, tokenizer: Any, scenarios: list[Scenario], *, g
                                  skills_text="", skill_ids=[], template=template_for(scenario.env))
                         for i in range(group_size))
 
-    with tqdm(total=len(episodes), desc=f"rollout r{round_index}", unit="ep", disable=not progress) as bar:
+    with tqdm(total=len(episodes), desc=label or f"rollout r{round_index}", unit="ep", disable=not progress) as bar:
         resets = call_all([partial(_start_episode, ep.scenario, kwargs_by_env.get(ep.scenario.env, {}))
                            for ep in episodes], workers=workers, timeout_s=step_timeout_s)
         for ep, (value, error) in zip(episodes, resets):
@@ -192,6 +193,8 @@ def run_episodes(engine: Engine, tokenizer: Any, scenarios: list[Scenario], *, g
                     _finish(ep, "complete" if terminated else "truncated", bar, error=None)
             live = [ep for ep in live if ep.status is None]
             turn += 1
+            bar.set_postfix(won=sum(bool(ep.info.get("won")) for ep in episodes if ep.status),
+                            steps=sum(len(ep.steps) for ep in episodes))
 
     return [_trajectory_record(ep, round_index, policy_version, started_at) for ep in episodes]
 

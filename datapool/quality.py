@@ -4,6 +4,7 @@ zero-variance group filter.
 ``validate_steps`` derives scalar columns from the step table (prompt/response/log-prob lengths, distinct
 trajectories per group, ...) and checks them with a GX suite in an ephemeral context (nothing written to disk).
 Failures never raise: the ``QualityReport`` says which expectation failed, how often, with examples.
+``write_data_docs`` publishes the same validation as GX's own Data Docs, a static HTML site.
 
 Steps whose token ids were re-derived from text (``retokenized``, an upstream that could not return sampled ids)
 fail the expectation named "no retokenized steps": training on them would silently train on ids the policy never
@@ -18,15 +19,20 @@ the ``prefix_break`` flag (``arlflow pool ls --flag prefix_break``, the UI) and 
 """
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import great_expectations as gx
 import great_expectations.expectations as gxe
 import numpy as np
 import pandas as pd
+from great_expectations.core import ExpectationSuiteValidationResult, RunIdentifier
 from great_expectations.data_context.types.base import ProgressBarsConfig
+from great_expectations.data_context.types.resource_identifiers import (ExpectationSuiteIdentifier,
+                                                                         ValidationResultIdentifier)
 
 from datapool.filters import degenerate_group_ids
 from models.checks import ConfigValueError, check_config
@@ -98,6 +104,8 @@ class QualityReport:
     row_count: int = 0
     message: str = ""
     """Why the gate failed before any expectation ran (e.g. no steps), else empty."""
+    validation: ExpectationSuiteValidationResult | None = field(default=None, repr=False, compare=False)
+    """GX's own result, for ``write_data_docs``; None when no expectation ran. Not part of ``to_dict``."""
 
     @property
     def failures(self) -> list[dict[str, Any]]:
@@ -235,13 +243,20 @@ def stepless_groups(trajectories) -> dict[str, int]:
     return counts
 
 
+def _context() -> gx.data_context.EphemeralDataContext:
+    context = gx.get_context(mode="ephemeral")
+    context.enable_analytics(False)  # never phone home from a training cluster
+    context.variables.progress_bars = ProgressBarsConfig(globally=False)  # no tqdm bar per validation
+    return context
+
+
 def validate_steps(df: pd.DataFrame, limits: QualityLimits, *, round: int | None = None,
                    stepless: dict[str, int] | None = None) -> QualityReport:
     """Run the step-table suite on ``df`` (from ``DataPool.steps_frame`` or ``read_steps``).
 
-    ``round`` only names the round in messages. An empty frame fails ("no steps for round N"). ``stepless`` (the
-    rollout's ``STEPLESS`` metadata) counts, per group, the episodes that have no step row because they failed before
-    their first step, so such a group still has ``group_size`` trajectories.
+    ``round`` only names the round in messages and the Data Docs. An empty frame fails ("no steps for round N").
+    ``stepless`` (the rollout's ``STEPLESS`` metadata) counts, per group, the episodes that have no step row because
+    they failed before their first step, so such a group still has ``group_size`` trajectories.
     """
     missing = [name for name in REQUIRED_COLUMNS if name not in df.columns]
     if missing:
@@ -257,17 +272,17 @@ def validate_steps(df: pd.DataFrame, limits: QualityLimits, *, round: int | None
     if stepless:
         derived["group_trajectories"] += derived["group_id"].map(stepless).fillna(0).astype("int64")
 
-    context = gx.get_context(mode="ephemeral")
-    context.enable_analytics(False)  # never phone home from a training cluster
-    context.variables.progress_bars = ProgressBarsConfig(globally=False)  # no tqdm bar per validation
+    context = _context()
     batch_definition = (context.data_sources.add_pandas("steps")
                         .add_dataframe_asset("steps")
                         .add_batch_definition_whole_dataframe("round"))
-    batch = batch_definition.get_batch(batch_parameters={"dataframe": derived})
-    validation = batch.validate(_suite(limits), result_format={
-        "result_format": "COMPLETE", "unexpected_index_column_names": _INDEX_COLUMNS,
-        "partial_unexpected_count": MAX_EXAMPLES,
-    })
+    definition = context.validation_definitions.add(gx.ValidationDefinition(
+        name="steps", data=batch_definition, suite=context.suites.add(_suite(limits))))
+    validation = definition.run(  # names the run in the Data Docs
+        batch_parameters={"dataframe": derived},
+        run_id=RunIdentifier(run_name=f"round_{round}" if round is not None else "steps"),
+        result_format={"result_format": "COMPLETE", "unexpected_index_column_names": _INDEX_COLUMNS,
+                       "partial_unexpected_count": MAX_EXAMPLES})
 
     results = []
     for item in validation.results:
@@ -283,7 +298,37 @@ def validate_steps(df: pd.DataFrame, limits: QualityLimits, *, round: int | None
             "examples": ([] if item.success and not result.get("unexpected_count")
                          else _examples(result, column, derived)),
         })
-    return QualityReport(success=bool(validation.success), results=results, row_count=len(derived))
+    return QualityReport(success=bool(validation.success), results=results, row_count=len(derived),
+                         validation=validation)
+
+
+_DOCS_SITE = "arlflow"
+_DOCS_BATCH = "steps"
+"""Names the validation result page (``<batch>.html``)."""
+
+
+def write_data_docs(report: QualityReport, folder: Path) -> Path | None:
+    """Publish ``report``'s validation as GX Data Docs: a static site in ``folder`` (index.html, the suite's page,
+    the validation result page). Returns the result page, relative to ``folder``: it reads offline, where the site's
+    index.html lists the run only with the scripts GX loads from a CDN. None, writing nothing, when no expectation
+    ran (an empty step table)."""
+    validation = report.validation
+    if validation is None:
+        return None
+    context = _context()
+    context.add_data_docs_site(_DOCS_SITE, {"class_name": "SiteBuilder", "show_how_to_buttons": False,
+                                            "store_backend": {"class_name": "TupleFilesystemStoreBackend",
+                                                              "base_directory": str(folder)}})
+    suite_id = ExpectationSuiteIdentifier(name=validation.suite_name)
+    result_id = ValidationResultIdentifier(suite_id, validation.meta["run_id"], _DOCS_BATCH)
+    context.suites.add(gx.ExpectationSuite(name=validation.suite_name, expectations=[  # copies: no suite's ids
+        copy.copy(result.expectation_config.to_domain_obj()) for result in validation.results]))
+    context.validation_results_store.set(result_id, validation)
+    context.build_data_docs(site_names=[_DOCS_SITE], resource_identifiers=[result_id, suite_id])
+    for animation in (folder / "static" / "images").glob("*.gif"):
+        animation.unlink()  # GX's help animations: no page of the site shows them, and they are 3.3 of its 4 MB
+    page = next((folder / "validations").rglob(f"{_DOCS_BATCH}.html"))
+    return page.relative_to(folder)
 
 
 def drop_zero_variance_groups(df: pd.DataFrame) -> tuple[pd.DataFrame, dict[str, int]]:

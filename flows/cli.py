@@ -63,13 +63,14 @@ def stage(name: str = typer.Argument(..., help="bootstrap, curate, warmstart, ro
 @app.command()
 def pipeline(root: Path = typer.Option(Path("."), help="project root (holds params.yaml and dvc.yaml)"),
              force: bool = typer.Option(False, help="rerun every stage even if DVC sees it up to date")) -> None:
-    """Run the whole pipeline as one Prefect flow (stages DVC sees as fresh are skipped)."""
+    """Run the whole pipeline as one Prefect flow (stages DVC sees as fresh are skipped); print the results."""
     from flows.pipeline import pipeline_flow
 
     layout, params = _load(root)
     _require_current_dvc_yaml(params, layout)
     result = pipeline_flow(root=str(layout.root), force=force)
     typer.echo(f"ran: {', '.join(result['ran']) or 'nothing'}; skipped: {', '.join(result['skipped']) or 'nothing'}")
+    typer.echo("\n" + result["results"], nl=False)
 
 
 @app.command("dvc-yaml")

@@ -8,7 +8,7 @@ from tasks import bootstrap, curate, evaluate, mine, rollout, train, transfer, v
 from tasks.config import Params
 from tasks.layout import Layout
 from tasks.outputs import recover
-from tasks.tracking import log_metrics, stage_run
+from tasks.tracking import log_metrics, log_stage_inputs, log_stage_outputs, stage_run
 
 ROUND_STAGES = ("rollout", "validate", "mine", "train")
 STAGE_FUNCTIONS: dict[str, Callable[..., dict[str, Any]]] = {
@@ -61,11 +61,13 @@ def run_stage_functions(params: Params, layout: Layout, *, include: tuple[str, .
 def execute_stage(stage: str, round_index: int | None, params: Params, layout: Layout) -> dict[str, Any]:
     """Run one stage function inside its MLflow stage run: the one code path of every stage. A commit that a
     killed stage left half-done is rolled forward first, so the stage never reads outputs of two runs mixed
-    (tasks/outputs.py)."""
+    (tasks/outputs.py). The run records the stage's data inputs, its metrics and its reports (tasks/tracking.py)."""
     check_stage(stage, round_index, params)
     recover(layout.root)
     function = STAGE_FUNCTIONS[stage]
     with stage_run(layout, params, stage, round_index):
+        log_stage_inputs(layout, stage, round_index)
         metrics = function(params, layout) if round_index is None else function(params, layout, round_index)
         log_metrics(metrics)
+        log_stage_outputs(layout, stage, round_index)
     return metrics

@@ -6,6 +6,7 @@ import contextlib
 import copy
 import functools
 import json
+import logging
 import math
 import os
 import socket
@@ -13,10 +14,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
-import deepspeed
 import torch
 
+if not torch.cuda.is_available():
+    # naming the accelerator skips DeepSpeed's detection, whose CPU fallback warns "Setting accelerator to CPU"
+    # on every import of deepspeed
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+import deepspeed  # noqa: E402  (after DS_ACCELERATOR)
+
 from models.checks import check_choice, check_config
+
+log = logging.getLogger(__name__)
 
 DEEPSPEED_CONFIG_DIR = Path(__file__).resolve().parents[1] / "infra" / "deepspeed"
 PRECISIONS = ("auto", "fp32", "bf16")
@@ -182,6 +191,9 @@ def make_ds_engine(
     elif cfg.lr_schedule != "constant" or cfg.warmup_steps:
         raise ValueError(f"config has a 'scheduler' section and lr_schedule={cfg.lr_schedule!r}/warmup_steps="
                          f"{cfg.warmup_steps} were set too: keep one of the two")
+    if not deepspeed.comm.is_initialized() and not torch.cuda.is_available():
+        log.info("starting DeepSpeed on the CPU (a machine's first run builds its shared-memory communication op: "
+                 "~1-2 min without output, cached after) ...")
     engine, *_ = deepspeed.initialize(model=model, model_parameters=trainable, optimizer=client_optimizer,
                                       lr_scheduler=scheduler, config=config)
     return engine

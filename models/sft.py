@@ -4,12 +4,15 @@ from __future__ import annotations
 import math
 import random
 import time
+from typing import Callable
 
+import torch
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from models.batching import (TrainRow, UpdateConfig, aggregation_units, collate, loss_weight, rank_micro_batches,
-                             select_rows, train_mini_batch)
+from models.batching import (TrainRow, UpdateConfig, aggregation_units, all_reduce_sum, collate, loss_weight,
+                             rank_micro_batches, select_rows, train_mini_batch)
+from models.checkpoint import rank_and_world
 from models.forward import next_token_logits
 from models.internalize import check_token_weights, weighted_sft_loss
 from models.losses import sft_loss
@@ -23,7 +26,9 @@ def sft_update(
     update: UpdateConfig,
     seed: int = 0,
     progress: bool = True,
+    desc: str = "sft",
     weights: list[float | list[float]] | None = None,
+    on_update: Callable[[int, dict[str, float]], None] | None = None,
 ) -> dict[str, float]:
     """Supervised fine-tuning on (prompt_ids, response_ids) pairs; only response tokens are trained.
 
@@ -34,6 +39,8 @@ def sft_update(
     (models/internalize.py). Returns loss_first / loss_last (first and last micro-batch of this rank),
     loss_first_epoch / loss_last_epoch (epoch means), updates (optimizer steps), tokens_per_s and weighted_tokens
     (response tokens with a weight > 0, over all pairs).
+    on_update(step, metrics): as in rl_update, after every optimizer step: the mini-batch loss (over all ranks),
+    grad_norm, lr and tokens_per_s. progress: a tqdm bar `desc` on rank 0.
     """
     if not pairs:
         raise ValueError("sft_update got no pairs")
@@ -58,12 +65,14 @@ def sft_update(
             value = weighted_sft_loss(logits, part["target_ids"], part["response_mask"], part["advantages"])
         return value, {"loss": float(value.detach())}
 
-    with tqdm(total=epochs * math.ceil(len(pairs) / mini_size), desc="sft", unit="step", disable=not progress) as bar:
+    with tqdm(total=epochs * math.ceil(len(pairs) / mini_size), desc=desc, unit="step",
+              disable=not progress or rank_and_world()[0] != 0) as bar:
         for _ in range(epochs):
             order = list(range(len(pairs)))
             rng.shuffle(order)
             epoch_losses = []
             for start in range(0, len(order), mini_size):
+                step_started, step_tokens = time.perf_counter(), tokens
                 mini = order[start : start + mini_size]
                 units = aggregation_units(batch["response_mask"][mini], "token-mean")
                 plan = rank_micro_batches(mini, lengths, max_rows=micro_batch_size, token_budget=token_budget)
@@ -72,11 +81,19 @@ def sft_update(
                     part = select_rows(batch, index, engine.device)
                     micro.append((part, loss_weight(part, units, "token-mean", 1) if real else 0.0))
                     tokens += int(part["attention_mask"].sum()) if real else 0
-                _, metrics = train_mini_batch(engine, micro, loss_of)
+                lr = float(engine.get_lr()[0])
+                grad_norm, metrics = train_mini_batch(engine, micro, loss_of)
                 epoch_losses.extend(m["loss"] for m, (_, real) in zip(metrics, plan) if real)
                 updates += 1
+                # the mini-batch loss: micro-batch losses weighted as in the backward (fillers weigh 0)
+                weighted = torch.tensor([sum(w * m["loss"] for (_, w), m in zip(micro, metrics))], dtype=torch.float64)
+                step_loss = float(all_reduce_sum(weighted, engine.device)) / rank_and_world()[1]
+                if on_update is not None:
+                    on_update(int(engine.global_steps), {
+                        "loss": step_loss, "grad_norm": grad_norm, "lr": lr,
+                        "tokens_per_s": (tokens - step_tokens) / max(time.perf_counter() - step_started, 1e-9)})
                 bar.update(1)
-                bar.set_postfix(loss=f"{epoch_losses[-1]:.3f}" if epoch_losses else "-")
+                bar.set_postfix(loss=f"{step_loss:.3f}")
             losses_per_epoch.append(epoch_losses)
     first, last = losses_per_epoch[0] or [math.nan], losses_per_epoch[-1] or [math.nan]  # nan: a rank with no pair
     return {

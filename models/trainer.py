@@ -18,6 +18,7 @@ from typing import Any, Callable, Protocol
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from tqdm.auto import tqdm
 
 from models.aux_losses import AUX_LOSSES, AuxConfig, AuxInputs
 from models.batching import (TrainRow, UpdateConfig, aggregation_units, all_reduce_sum, collate, loss_weight,
@@ -242,6 +243,8 @@ def rl_update(
     reference: ReferenceScorer | None = None,
     on_update: Callable[[int, dict[str, float]], None] | None = None,
     checkpoint_dir: str | Path | None = None,
+    progress: bool = True,
+    desc: str = "train",
 ) -> dict[str, float]:
     """Policy-gradient update on `rows` with `losses.policy_objective` under `loss`; returns metrics averaged over
     updates.
@@ -264,6 +267,7 @@ def rl_update(
     and at the end; a call with the same rows and settings resumes from the newest complete one, skipping the
     mini-batches already done, and ends bit-identical to an uninterrupted call (same seed, same hardware). One
     directory per call.
+    progress: a tqdm bar `desc` over the optimizer steps on rank 0 (loss and tokens/s of the last step, ETA).
     """
     if not rows:
         raise ValueError("rl_update got no rows")
@@ -305,33 +309,37 @@ def rl_update(
     norm_width = batch["input_ids"].shape[1]
     total_updates = update.epochs * per_epoch
     tokens_this_call = 0
-    for step in range(state["updates_done"], total_updates):
-        step_started = time.perf_counter()
-        epoch, index = divmod(step, per_epoch)
-        mini = state["orders"][epoch][index * mini_size : (index + 1) * mini_size]
-        micro, shares = _mini_batch_parts(engine, batch, mini, lengths, aggregation=loss.aggregation,
-                                          max_rows=max_rows, token_budget=token_budget, norm_width=norm_width)
-        lr = float(engine.get_lr()[0])
-        grad_norm, micro_metrics = train_mini_batch(
-            engine, micro, lambda p: _micro_objective(engine, p, loss, aux, on_policy=on_policy))
-        gaps = [{k: m.pop(k) for k in ("_gap_sum", "_gap_count", "_gap_max") if k in m} for m in micro_metrics]
-        if on_policy:
-            state["mismatch"] = _on_policy_mismatch(gaps, engine.device)
-        metrics = _update_metrics(engine, mini, batch, micro_metrics, shares, advantages, lengths, lr,
-                                  time.perf_counter() - step_started)
-        metrics["grad_norm"] = grad_norm
-        tokens_this_call += int(metrics["tokens"])
-        for name, value in metrics.items():
-            state["metric_sums"][name] = state["metric_sums"].get(name, 0.0) + value
-        state.update(updates_done=step + 1, epoch=(step + 1) // per_epoch, mini_batch=(step + 1) % per_epoch,
-                     micro_batches_done=state["micro_batches_done"] + len(micro))
-        if on_update is not None:
-            on_update(int(engine.global_steps), metrics)
-        finished = step + 1 == total_updates
-        if finished:
-            state.update(finished=True, result=_rl_result(state, rows, batch, tokens_this_call, started))
-        if checkpoint_dir is not None and (finished or (step + 1) % update.checkpoint_every == 0):
-            save_checkpoint(engine, checkpoint_dir, step + 1, state)
+    with tqdm(total=total_updates, initial=state["updates_done"], desc=desc, unit="update",
+              disable=not progress or rank_and_world()[0] != 0) as bar:
+        for step in range(state["updates_done"], total_updates):
+            step_started = time.perf_counter()
+            epoch, index = divmod(step, per_epoch)
+            mini = state["orders"][epoch][index * mini_size : (index + 1) * mini_size]
+            micro, shares = _mini_batch_parts(engine, batch, mini, lengths, aggregation=loss.aggregation,
+                                              max_rows=max_rows, token_budget=token_budget, norm_width=norm_width)
+            lr = float(engine.get_lr()[0])
+            grad_norm, micro_metrics = train_mini_batch(
+                engine, micro, lambda p: _micro_objective(engine, p, loss, aux, on_policy=on_policy))
+            gaps = [{k: m.pop(k) for k in ("_gap_sum", "_gap_count", "_gap_max") if k in m} for m in micro_metrics]
+            if on_policy:
+                state["mismatch"] = _on_policy_mismatch(gaps, engine.device)
+            metrics = _update_metrics(engine, mini, batch, micro_metrics, shares, advantages, lengths, lr,
+                                      time.perf_counter() - step_started)
+            metrics["grad_norm"] = grad_norm
+            tokens_this_call += int(metrics["tokens"])
+            for name, value in metrics.items():
+                state["metric_sums"][name] = state["metric_sums"].get(name, 0.0) + value
+            state.update(updates_done=step + 1, epoch=(step + 1) // per_epoch, mini_batch=(step + 1) % per_epoch,
+                         micro_batches_done=state["micro_batches_done"] + len(micro))
+            if on_update is not None:
+                on_update(int(engine.global_steps), metrics)
+            finished = step + 1 == total_updates
+            if finished:
+                state.update(finished=True, result=_rl_result(state, rows, batch, tokens_this_call, started))
+            if checkpoint_dir is not None and (finished or (step + 1) % update.checkpoint_every == 0):
+                save_checkpoint(engine, checkpoint_dir, step + 1, state)
+            bar.update(1)
+            bar.set_postfix(loss=f"{metrics['loss']:.4f}", tokens_per_s=f"{metrics['tokens_per_s']:.0f}")
     return state["result"]
 
 

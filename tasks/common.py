@@ -132,7 +132,8 @@ def load_skills(bank_dir: Path | None) -> list[Skill]:
 def evaluate_policy(engine: TransformersEngine, scenarios: list[Scenario], params: Params, *,
                     layout: Layout | None = None, skills: list[Skill] | None = None, label: str = ""
                     ) -> tuple[dict[str, Any], list[TrajectoryRecord]]:
-    """One episode per held-out scenario (greedy by default); returns the summary and the trajectories."""
+    """One episode per held-out scenario (greedy by default); returns the summary and the trajectories. A ``label``
+    (the policy's name) shows a progress bar "evaluate <label>"."""
     sampling = replace(params.evaluate.sampling, seed=params.pipeline.seed)
     trajectories = run_episodes(engine, engine.tokenizer, scenarios, group_size=1, sampling=sampling,
                                 round_index=0, **episode_options(params, layout),
@@ -141,7 +142,7 @@ def evaluate_policy(engine: TransformersEngine, scenarios: list[Scenario], param
                                 skills_for=skill_slot(skills or [], params),
                                 skills_per_step=skills_per_step(params),
                                 step_timeout_s=params.harness.step_timeout_s,
-                                progress=bool(label), seed=params.pipeline.seed)
+                                progress=bool(label), label=f"evaluate {label}", seed=params.pipeline.seed)
     summary = summarize(trajectories)
     envs_seen = sorted({t.env for t in trajectories})
     if len(envs_seen) > 1:

@@ -4,6 +4,7 @@ train-memorizing lookup) and how many held-out scenarios equal a train one."""
 from __future__ import annotations
 
 import csv
+from pathlib import Path
 from typing import Any
 
 from envs.base import Scenario
@@ -45,6 +46,38 @@ def skill_report(without: dict[str, Any], with_skills: dict[str, Any], bank, lay
         "changes": {verb: sum(line.startswith(verb + " ") for line in changelog) for verb in CHANGE_VERBS},
         "per_round": per_round, "changelog": changelog,
     }
+
+
+def summary_metrics(report: dict[str, Any]) -> dict[str, Any]:
+    """The headline numbers of an evaluate report (metrics/summary.json, the one file dvc.yaml lists as metrics):
+    held-out success per policy and per round, the baselines, the skills; under names that are the same every run
+    and nested one level at most, so `dvc metrics show` and `dvc exp show --only-changed` stay a few columns wide.
+    Everything else stays in evaluate.json. Booleans are 0/1, which DVC compares and plots as numbers."""
+    heldout, skills, baselines = report["heldout"], report["skills"], report["baselines"]
+    success = {policy: result["success_rate"] for policy, result in heldout.items()}
+    summary: dict[str, Any] = {
+        "heldout_success": success | {"final_minus_warmstart": round(success["final"] - success["warmstart"], 6)},
+        "heldout_by_round": {label: result["success_rate"] for label, result in report["rounds"].items()},
+        "skills": {"live": skills["live_skills"], "success_gain": round(skills["success_gain"], 6)},
+    }
+    if "error" not in baselines:
+        summary["baselines"] = {"random": baselines["random"]["mean"],
+                                "train_lookup": baselines["train_lookup"]["mean"],
+                                **{name: h["mean"] for name, h in baselines["heuristics"].items()}}
+        summary["final_above_every_baseline"] = int(baselines["final_above_every_baseline"])
+    return summary
+
+
+def write_rounds_plot(path: Path, rows: list[dict[str, Any]]) -> None:
+    """rounds.csv, one row per round; the last row has every column. A row without some values (round 0 has no
+    train rollout) ends before them, so they must be its last columns (a KeyError otherwise): CSV readers (DVC's
+    DictReader, pandas) read them as missing, which DVC hands Vega as null and Vega leaves undrawn, where an empty
+    cell would read as "" and be drawn at 0."""
+    fields = list(rows[-1])
+    with path.open("w", newline="") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(fields)
+        writer.writerows([row[field] for field in fields[:len(row)]] for row in rows)
 
 
 def baselines_or_error(heldout: list[Scenario], train: list[Scenario], kwargs_by_env: dict[str, dict[str, Any]]
@@ -93,19 +126,19 @@ def run(params: Params, layout: Layout) -> dict[str, Any]:
     rows = []
     for r in range(0, rounds + 1):
         label = "warmstart" if r == 0 else f"round_{r}"
-        rollout = read_json(layout.round_metrics(r, "rollout"), f"rollout_{r}") if r > 0 else {}
-        rows.append({"round": r, "heldout_success_rate": results[label]["success_rate"],
-                     "heldout_mean_return": results[label]["mean_return"],
-                     "train_success_rate": rollout.get("success_rate", ""),
-                     "train_mean_return": rollout.get("mean_return", "")})
+        row = {"round": r, "heldout_success_rate": results[label]["success_rate"],
+               "heldout_mean_return": results[label]["mean_return"]}
+        if r > 0:  # round 0 (the warm start) had no rollout
+            rollout = read_json(layout.round_metrics(r, "rollout"), f"rollout_{r}")
+            row |= {"train_success_rate": rollout["success_rate"], "train_mean_return": rollout["mean_return"]}
+        rows.append(row)
         log_metrics({"heldout_success_rate": results[label]["success_rate"],
                      "heldout_mean_return": results[label]["mean_return"]}, step=r)
-    with staged_outputs(layout.root, "evaluate", [layout.evaluate_metrics, layout.rounds_plot]) as out:
+    targets = [layout.evaluate_metrics, layout.rounds_plot, layout.summary_metrics]
+    with staged_outputs(layout.root, "evaluate", targets) as out:
         write_json(out.path(layout.evaluate_metrics), report)
-        with out.path(layout.rounds_plot).open("w", newline="") as handle:
-            writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
-            writer.writeheader()
-            writer.writerows(rows)
+        write_json(out.path(layout.summary_metrics), summary_metrics(report))
+        write_rounds_plot(out.path(layout.rounds_plot), rows)
 
     for key, summary in heldout_metrics.items():
         log_metrics(summary, prefix=f"{key}.")

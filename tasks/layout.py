@@ -69,6 +69,10 @@ class Layout:
     def round_metrics(self, round_index: int, stage: str) -> Path:
         return self.metrics_dir / "rounds" / f"round_{round_index}" / f"{stage}.json"
 
+    def data_docs(self, round_index: int) -> Path:
+        """great-expectations' Data Docs site of round r's data gate (beside validate_report.json)."""
+        return self.metrics_dir / "rounds" / f"round_{round_index}" / "data_docs"
+
     @property
     def evaluate_metrics(self) -> Path:
         return self.metrics_dir / "evaluate.json"
@@ -76,6 +80,12 @@ class Layout:
     @property
     def rounds_plot(self) -> Path:
         return self.metrics_dir / "plots" / "rounds.csv"
+
+    @property
+    def summary_metrics(self) -> Path:
+        """The headline numbers of a run: dvc.yaml's one `metrics:` file, what `dvc metrics show` and `dvc exp show`
+        list (the full reports stay in the other metrics/*.json)."""
+        return self.metrics_dir / "summary.json"
 
     @property
     def transfer_metrics(self) -> Path:

@@ -2,25 +2,56 @@
 
 The store defaults to SQLite under the project (mlflow.db) with a local artifact folder; MLFLOW_TRACKING_URI
 overrides it (e.g. a tracking server with S3 artifacts).
-Under `arlflow pipeline` the parent run is opened by the pipeline flow. Under `dvc repro` every stage is its own
-process: they share one parent run per `dvc repro` invocation (found by the dvc process that launched them).
+Under `arlflow pipeline` the parent run is opened by the first stage that runs (an invocation that runs nothing
+leaves no run). Under `dvc repro` every stage is its own process: they share one parent run per `dvc repro`
+invocation (found by the dvc process that launched them).
+
+Every run carries the params (credentials masked) and the git commit and dirty flag of the project. A stage run
+adds system metrics, its data inputs (dvc.yaml deps under data/) as MLflow datasets named by path with DVC's md5 as
+digest, and its small outputs (dvc.yaml outs under metrics/ and the skill banks) as artifacts; evaluate and
+transfer put theirs on the parent run too, with the headline numbers (metrics/summary.json) as its metrics.
 """
 from __future__ import annotations
 
+import hashlib
+import importlib.util
+import json
+import logging
 import math
 import os
+import re
+import subprocess
+import time
+import uuid
 from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import mlflow
+import yaml
+from mlflow.data.meta_dataset import MetaDataset
+from mlflow.data.sources import LocalArtifactDatasetSource
+from mlflow.entities import Metric
+from mlflow.environment_variables import MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL
 from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
 
+from datapool.store import masked_url
 from tasks.config import Params, params_to_dict
 from tasks.layout import Layout
 
 PARENT_ENV = "ARLFLOW_MLFLOW_PARENT_RUN_ID"
+SESSION_ENV = "ARLFLOW_MLFLOW_SESSION"
+# The experiment kind (a model-training experiment, not GenAI), as MLflow's UI sets it when a user picks one. MLflow
+# 3.17's UI opens experiments by its sidebar switch instead (?workflowType=machine_learning: the README's link).
+EXPERIMENT_KIND_TAG, EXPERIMENT_KIND = "mlflow.experimentKind", "custom_model_development"
+SYSTEM_METRICS_INTERVAL_S = 2.0  # MLflow's default, 10 s, leaves most stages of a small run without a sample
+# a URL query parameter that carries a credential (`?api_key=...`, `&token=...`, `X-Amz-Signature=...`)
+SECRET_QUERY = re.compile(r"([?&][^=&#]*(?:key|token|secret|password|signature|credential)[^=&#]*=)[^&#]*",
+                          re.IGNORECASE)
+REPORT_ROOTS = ("metrics/", "artifacts/skills/")  # small outputs logged as artifacts: reports, plots, skill banks
+RESULT_STAGES = ("evaluate", "transfer")  # their reports go on the parent run too
 
 
 def create_sqlite_store(path: Path, artifact_root: str) -> None:
@@ -56,21 +87,53 @@ def _process_alive(pid: int) -> bool:
 
 
 def configure(layout: Layout, experiment: str) -> str:
-    """Point MLflow at the project's store (unless MLFLOW_TRACKING_URI is set) and select the experiment."""
+    """Point MLflow at the project's store (unless MLFLOW_TRACKING_URI is set) and select the experiment. The
+    project's experiment keeps its artifacts in mlartifacts/ (MLflow's default is ./mlruns under the working
+    directory); set_tracking_uri exports MLFLOW_TRACKING_URI, so the store is told apart by its URI, not by that."""
     uri = os.environ.get("MLFLOW_TRACKING_URI") or layout.mlflow_uri
-    if not os.environ.get("MLFLOW_TRACKING_URI"):
+    project_store = uri == layout.mlflow_uri
+    if project_store:
         create_sqlite_store(layout.mlflow_db, layout.mlflow_artifacts.absolute().as_uri())
     mlflow.set_tracking_uri(uri)
     if mlflow.get_experiment_by_name(experiment) is None:
-        location = None if os.environ.get("MLFLOW_TRACKING_URI") else layout.mlflow_artifacts.absolute().as_uri()
+        location = layout.mlflow_artifacts.absolute().as_uri() if project_store else None
         mlflow.create_experiment(experiment, artifact_location=location)
-    mlflow.set_experiment(experiment)
+    chosen = mlflow.set_experiment(experiment)
+    if EXPERIMENT_KIND_TAG not in chosen.tags:  # new, or made before this tag (a kind chosen in the UI is kept)
+        mlflow.MlflowClient().set_experiment_tag(chosen.experiment_id, EXPERIMENT_KIND_TAG, EXPERIMENT_KIND)
     return uri
 
 
 def flat_params(params: Params) -> dict[str, Any]:
-    return {f"{section}.{key}": value for section, values in params_to_dict(params).items()
+    """One MLflow param per config key (``section.key``), with the credentials a URL may carry masked (a pool URL's
+    password, an API key in a query). Keys themselves are never params: the config names the variables holding
+    them (``engine.api_key_env``)."""
+    return {f"{section}.{key}": _masked(value) for section, values in params_to_dict(params).items()
             for key, value in values.items()}
+
+
+def _masked(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return {key: _masked(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_masked(item) for item in value]
+    return SECRET_QUERY.sub(r"\1***", masked_url(value)) if isinstance(value, str) else value
+
+
+def git_tags(root: Path) -> dict[str, str]:
+    """The commit the project is at (``mlflow.source.git.commit``, as MLflow names it) and whether tracked files
+    differ from it (``arlflow.git.dirty``); none outside a git checkout, before its first commit or without git.
+    No optional locks: a status check must not make the user's own git command fail on index.lock."""
+    git = ["git", "--no-optional-locks", "-C", str(root)]
+    try:
+        commit, status = (subprocess.run(git + args, capture_output=True, text=True, timeout=30)
+                          for args in (["rev-parse", "HEAD"], ["status", "--porcelain", "--untracked-files=no"]))
+    except (OSError, subprocess.TimeoutExpired):
+        return {}
+    if commit.returncode or status.returncode:
+        return {}
+    dirty = "true" if status.stdout.strip() else "false"
+    return {"mlflow.source.git.commit": commit.stdout.strip(), "arlflow.git.dirty": dirty}
 
 
 def log_metrics(metrics: Mapping[str, Any], step: int | None = None, prefix: str = "") -> None:
@@ -78,10 +141,14 @@ def log_metrics(metrics: Mapping[str, Any], step: int | None = None, prefix: str
     ``per_env``) are logged with dotted names (``per_env.household.success_rate``)."""
     if mlflow.active_run() is None:
         return
-    numeric = {name: float(value) for name, value in _flatten(metrics, prefix).items()
-               if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(float(value))}
+    numeric = _numeric(metrics, prefix)
     if numeric:
         mlflow.log_metrics(numeric, step=step)
+
+
+def _numeric(metrics: Mapping[str, Any], prefix: str = "") -> dict[str, float]:
+    return {name: float(value) for name, value in _flatten(metrics, prefix).items()
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(float(value))}
 
 
 def _flatten(metrics: Mapping[str, Any], prefix: str) -> dict[str, Any]:
@@ -110,51 +177,174 @@ def _dvc_session_key() -> str | None:
     return None
 
 
-def _find_or_create_parent(params: Params, name: str) -> str:
+def _session_parent(key: str) -> str | None:
+    """The parent run of the pipeline or dvc-repro invocation ``key`` in the current experiment, if opened yet."""
+    found = mlflow.search_runs(filter_string=f"tags.`arlflow.session` = '{key}'", max_results=1,
+                               output_format="list")
+    return found[0].info.run_id if found else None
+
+
+def _find_or_create_parent(layout: Layout, params: Params, name: str) -> str:
     explicit = os.environ.get(PARENT_ENV)
     if explicit:
         return explicit
-    key = _dvc_session_key()
-    if key is not None:
-        found = mlflow.search_runs(filter_string=f"tags.`arlflow.session` = '{key}'", max_results=1,
-                                   output_format="list")
-        if found:
-            return found[0].info.run_id
-    with mlflow.start_run(run_name="dvc-repro" if key else name,
-                          tags={"arlflow.kind": "pipeline", "arlflow.session": key or "none"}) as run:
+    pipeline = os.environ.get(SESSION_ENV)
+    key = pipeline or _dvc_session_key()
+    if key is not None and (found := _session_parent(key)) is not None:
+        return found
+    tags = {"arlflow.kind": "pipeline", "arlflow.session": key or "none", **git_tags(layout.root)}
+    with mlflow.start_run(run_name="pipeline" if pipeline else "dvc-repro" if key else name, tags=tags) as run:
         mlflow.log_params(flat_params(params))
     return run.info.run_id
 
 
+@dataclass
+class ParentRun:
+    """The parent run of one `arlflow pipeline` invocation: ``run_id`` is None until a stage opens it, and stays
+    None when no stage ran."""
+    session: str
+    run_id: str | None = None
+
+    def __str__(self) -> str:
+        return self.run_id or "none (no stage ran)"
+
+
 @contextmanager
-def pipeline_run(layout: Layout, params: Params) -> Iterator[str]:
-    """The parent run of one `arlflow pipeline` invocation; stage runs started inside nest under it."""
+def pipeline_run(layout: Layout, params: Params) -> Iterator[ParentRun]:
+    """The parent run of one `arlflow pipeline` invocation: the first stage run inside opens it (found by the
+    session key in the environment, by stages in this process or started from it), so an invocation whose stages
+    were all fresh leaves no empty run; it ends FAILED if the pipeline raised."""
     configure(layout, params.pipeline.experiment)
-    with mlflow.start_run(run_name="pipeline", tags={"arlflow.kind": "pipeline"}) as run:
-        mlflow.log_params(flat_params(params))
-        os.environ[PARENT_ENV] = run.info.run_id
-        try:
-            yield run.info.run_id
-        finally:
-            os.environ.pop(PARENT_ENV, None)
+    parent = ParentRun(f"pipeline-{uuid.uuid4().hex}")
+    os.environ[SESSION_ENV] = parent.session
+    status = "FAILED"
+    try:
+        yield parent
+        status = "FINISHED"
+    finally:
+        os.environ.pop(SESSION_ENV, None)
+        parent.run_id = _session_parent(parent.session)
+        if parent.run_id is not None:
+            mlflow.MlflowClient().set_terminated(parent.run_id, status)
+
+
+def _label(stage: str, round_index: int | None) -> str:
+    return stage if round_index is None else f"{stage}_{round_index}"
+
+
+def _system_metrics() -> bool | None:
+    """Log system metrics (CPU, memory, disk, network; GPU with pynvml) where psutil is installed, every
+    SYSTEM_METRICS_INTERVAL_S; MLflow's MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING and MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL
+    override both. The sampler is a thread MLflow stops when the run ends; its four INFO lines a run are muted."""
+    logging.getLogger("mlflow.system_metrics").setLevel(logging.WARNING)
+    if MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL.get() is None:
+        mlflow.set_system_metrics_sampling_interval(SYSTEM_METRICS_INTERVAL_S)
+    if "MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING" in os.environ:
+        return None  # start_run reads it
+    return importlib.util.find_spec("psutil") is not None
 
 
 @contextmanager
 def stage_run(layout: Layout, params: Params, stage: str, round_index: int | None) -> Iterator[str]:
-    """A nested run for one stage, under the active pipeline run or the dvc-repro session's parent run."""
-    label = stage if round_index is None else f"{stage}_{round_index}"
-    tags = {"arlflow.kind": "stage", "stage": stage, "round": str(round_index if round_index is not None else "")}
-    if mlflow.active_run() is not None:
-        with mlflow.start_run(run_name=label, nested=True, tags=tags) as run:
-            mlflow.log_params(flat_params(params))
-            yield run.info.run_id
+    """A nested run for one stage, under the active run, the pipeline's parent run or the dvc-repro session's."""
+    label = _label(stage, round_index)
+    tags = {"arlflow.kind": "stage", "stage": stage, "round": str(round_index if round_index is not None else ""),
+            **git_tags(layout.root)}
+    outer = nullcontext()
+    if mlflow.active_run() is None:
+        configure(layout, params.pipeline.experiment)
+        outer = mlflow.start_run(run_id=_find_or_create_parent(layout, params, f"stage:{label}"))
+    with outer, mlflow.start_run(run_name=label, nested=True, tags=tags,
+                                 log_system_metrics=_system_metrics()) as run:
+        mlflow.log_params(flat_params(params))
+        yield run.info.run_id
+
+
+def _dvc_stage(layout: Layout, stage: str, round_index: int | None) -> dict[str, Any]:
+    """The stage's entry in the project's dvc.yaml (empty without one): the lineage the inputs and outputs logged
+    here are read from, so they are exactly the deps and outs DVC tracks."""
+    path = layout.root / "dvc.yaml"
+    stages = yaml.safe_load(path.read_text()).get("stages", {}) if path.exists() else {}
+    return stages.get(_label(stage, round_index), {})
+
+
+def _paths(entries: list[Any]) -> list[str]:
+    """dvc.yaml lists a path as a string, or as a one-key mapping when it has options (``{path: {cache: false}}``)."""
+    return [entry if isinstance(entry, str) else next(iter(entry)) for entry in entries]
+
+
+def _locked_outs(layout: Layout) -> dict[str, dict[str, Any]]:
+    """dvc.lock's record (md5, size, nfiles) of every stage output, by path."""
+    path = layout.root / "dvc.lock"
+    stages = (yaml.safe_load(path.read_text()) or {}).get("stages", {}) if path.exists() else {}
+    return {out["path"]: out for stage in stages.values() for out in stage.get("outs", [])}
+
+
+def dvc_digest(path: Path, locked: Mapping[str, Any] | None) -> str:
+    """The data version of path as DVC names it: a file's md5 (what dvc.lock records for it); a directory's md5
+    from dvc.lock while its size and file count still match the record, else an md5 of its listing (relative
+    names, sizes, modification times), which changes whenever a file does."""
+    if path.is_file():
+        digest = hashlib.md5()
+        with path.open("rb") as handle:
+            for chunk in iter(lambda: handle.read(1 << 20), b""):
+                digest.update(chunk)
+        return digest.hexdigest()
+    files = sorted(p for p in path.rglob("*") if p.is_file())
+    stats = [f.stat() for f in files]
+    if locked and locked.get("nfiles") == len(files) and locked.get("size") == sum(s.st_size for s in stats):
+        return str(locked["md5"])
+    listing = "".join(f"{f.relative_to(path).as_posix()}\0{stat.st_size}\0{stat.st_mtime_ns}\n"
+                      for f, stat in zip(files, stats))
+    return hashlib.md5(listing.encode()).hexdigest()
+
+
+def log_stage_inputs(layout: Layout, stage: str, round_index: int | None) -> None:
+    """The stage's data inputs (its dvc.yaml deps under data/) as datasets of the active run: name = the path,
+    digest = its DVC md5 (dvc_digest), context = the stage; MLflow lists them on the run and links the runs that
+    read the same version."""
+    paths = [p for p in _paths(_dvc_stage(layout, stage, round_index).get("deps", [])) if p.startswith("data/")]
+    present = [p for p in paths if (layout.root / p).exists()]
+    if mlflow.active_run() is None or not present:
         return
-    configure(layout, params.pipeline.experiment)
-    parent = _find_or_create_parent(params, f"stage:{label}")
-    with mlflow.start_run(run_id=parent):
-        with mlflow.start_run(run_name=label, nested=True, tags=tags) as run:
-            mlflow.log_params(flat_params(params))
-            yield run.info.run_id
+    locked = _locked_outs(layout)
+    datasets = [MetaDataset(LocalArtifactDatasetSource(str(layout.root / p)), name=p,
+                            digest=dvc_digest(layout.root / p, locked.get(p))) for p in present]
+    mlflow.log_inputs(datasets, contexts=[stage] * len(datasets), tags_list=[None] * len(datasets))
+
+
+def stage_reports(layout: Layout, stage: str, round_index: int | None) -> list[Path]:
+    """The stage's small outputs, present on disk: its dvc.yaml outs and metrics under REPORT_ROOTS (JSON reports,
+    rounds.csv, a skill bank with its changelog) and a validate round's Data Docs; never data or weights."""
+    spec = _dvc_stage(layout, stage, round_index)
+    paths = [layout.root / p for p in _paths(spec.get("outs", []) + spec.get("metrics", []))
+             if p.startswith(REPORT_ROOTS)]
+    if stage == "validate":
+        paths.append(layout.data_docs(round_index))
+    return [p for p in dict.fromkeys(paths) if p.exists()]
+
+
+def log_stage_outputs(layout: Layout, stage: str, round_index: int | None) -> None:
+    """The stage's reports (stage_reports) as artifacts of the active stage run, under their project paths; after
+    evaluate and transfer on the parent run too, with the headline numbers (metrics/summary.json) as the parent's
+    metrics, so the runs table and chart view compare pipeline runs by their results."""
+    run = mlflow.active_run()
+    if run is None:
+        return
+    client = mlflow.MlflowClient()
+    parent = run.data.tags.get("mlflow.parentRunId")
+    targets = [run.info.run_id] + ([parent] if parent and stage in RESULT_STAGES else [])
+    for path in stage_reports(layout, stage, round_index):
+        folder = path.relative_to(layout.root)
+        for run_id in targets:
+            if path.is_dir():
+                client.log_artifacts(run_id, str(path), folder.as_posix())
+            else:
+                client.log_artifact(run_id, str(path), folder.parent.as_posix() if folder.parent.parts else None)
+    if parent and stage == "evaluate" and layout.summary_metrics.exists():
+        numeric = _numeric(json.loads(layout.summary_metrics.read_text()))
+        timestamp = int(time.time() * 1000)
+        client.log_batch(parent, metrics=[Metric(k, v, timestamp, 0) for k, v in numeric.items()])
 
 
 def register_policy(model: Any, tokenizer: Any, name: str, tags: dict[str, str]) -> str | None:

@@ -1,7 +1,10 @@
 """train: filters and shaping, advantages (registry), policy loss (registry), DeepSpeed update, new policy version."""
 from __future__ import annotations
 
+import logging
+import math
 import shutil
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -28,6 +31,8 @@ from tasks.layout import Layout, require
 from tasks.outputs import staged_outputs
 from tasks.skill_trials import candidate_results, episode_table, paired_utilities, read_trials, skill_used
 from tasks.tracking import log_metrics, register_policy
+
+log = logging.getLogger("arlflow.train")
 
 
 def step_batch(frame: pd.DataFrame) -> StepBatch:
@@ -124,7 +129,7 @@ def guided_steps(frame: pd.DataFrame, trials: pd.DataFrame, row_advantages: torc
 
 
 def internalize(engine, frame: pd.DataFrame, trials: pd.DataFrame, row_advantages: torch.Tensor, params: Params,
-                tokenizer, seed: int) -> dict[str, float]:
+                tokenizer, seed: int, round_index: int) -> dict[str, float]:
     """SIRI: L_int = -mean w_t log pi(a_t | prompt without the skill) over the selected skill-guided tokens
     (models/internalize.py), one pass with the same optimizer after the policy-gradient passes."""
     cfg = params.train
@@ -133,14 +138,20 @@ def internalize(engine, frame: pd.DataFrame, trials: pd.DataFrame, row_advantage
     pairs, weights, metrics = internalization_pairs(steps, cfg.internalize)
     out = {f"internalize.{k}": float(v) for k, v in metrics.items()}
     if pairs:
+        log.info("train round %d: internalizing %d skill-guided steps (SIRI)", round_index, len(pairs))
         result = sft_update(engine, pairs, weights=weights, pad_id=tokenizer.pad_token_id,
-                            update=replace(cfg.update, epochs=1), seed=seed, progress=False)
+                            update=replace(cfg.update, epochs=1), seed=seed, desc=f"internalize r{round_index}",
+                            on_update=log_steps("internalize."))
         out.update({f"internalize.{k}": float(v) for k, v in result.items()})
     return out
 
 
-def log_update(step: int, metrics: dict[str, float]) -> None:
-    log_metrics(metrics, step=step, prefix="update.")
+def log_steps(prefix: str) -> Callable[[int, dict[str, float]], None] | None:
+    """An `on_update` callback logging every optimizer step's metrics to MLflow as `<prefix><name>` at that step
+    (the per-step curves; a no-op without an active run), on rank 0 only."""
+    if rank_and_world()[0] != 0:
+        return None
+    return lambda step, metrics: log_metrics(metrics, step=step, prefix=prefix)
 
 
 def run(params: Params, layout: Layout, round_index: int) -> dict[str, Any]:
@@ -160,6 +171,7 @@ def run(params: Params, layout: Layout, round_index: int) -> dict[str, Any]:
         frame, metrics = apply_filters(frame, cfg.filters)
         metrics = {"round": round_index, "rows": len(frame), **metrics}
         if len(frame) == 0:
+            log.info("train round %d: no steps left after the filters: the policy is kept as it was", round_index)
             metrics["skipped_no_signal"] = 1
             save_policy(model, tokenizer, out.path(target))
         else:
@@ -171,13 +183,21 @@ def run(params: Params, layout: Layout, round_index: int) -> dict[str, Any]:
                 model = cfg.lora.apply(model)
                 reference = ReferencePolicy(model) if wants_reference else None
             engine = make_ds_engine(model, cfg.optimizer, micro_batch_size=cfg.update.micro_batch_size)
-            metrics.update(rl_update(
-                engine, rows, pad_id=tokenizer.pad_token_id, loss=cfg.loss, update=cfg.update, seed=seed,
-                aux=cfg.aux, reference=reference, on_update=log_update if rank_and_world()[0] == 0 else None,
-                checkpoint_dir=checkpoints))
+            mini = cfg.update.mini_batch(engine)
+            per_epoch = math.ceil(len(rows) / mini)
+            log.info("train round %d: %d steps -> %d rows (%s); epochs %d x %d mini-batches of <= %d rows = %d "
+                     "optimizer updates", round_index, len(frame), len(rows), cfg.layout, cfg.update.epochs,
+                     per_epoch, mini, cfg.update.epochs * per_epoch)
+            result = rl_update(engine, rows, pad_id=tokenizer.pad_token_id, loss=cfg.loss, update=cfg.update,
+                               seed=seed, aux=cfg.aux, reference=reference, on_update=log_steps("rl."),
+                               checkpoint_dir=checkpoints, desc=f"train r{round_index}")
+            log.info("train round %d: %d updates, loss %.4f, grad norm %.3f, %.0f tokens/s (means over updates; "
+                     "per-step curves: MLflow rl.*)", round_index, result["updates"], result["loss"],
+                     result["grad_norm"], result["tokens_per_s"])
+            metrics.update(result)
             if cfg.internalize.coef > 0:
                 metrics.update(internalize(engine, frame, trials, advantage_result.row_advantages, params,
-                                           tokenizer, seed))
+                                           tokenizer, seed, round_index))
             with full_weights(engine) as trained:  # gathers ZeRO-3 partitions, merges LoRA adapters
                 save_policy(trained, tokenizer, out.path(target))
         saved, saved_tokenizer = load_policy(out.path(target))

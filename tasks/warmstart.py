@@ -7,10 +7,10 @@ prompt and calls a shown macro wherever it is what the expert does next. The pol
 convention; whether a skill then helps is for validation to measure."""
 from __future__ import annotations
 
+import logging
+import random
 from pathlib import Path
 from typing import Any
-
-import random
 
 from agents.demos import expert_demonstrations
 from envs.base import Scenario
@@ -18,6 +18,7 @@ from envs.scenarios import expert_steps
 from skills.bank import Skill
 from skills.lifecycle import BankChange, RoundBank, save_round_bank
 from models.build import load_policy, save_policy
+from models.checkpoint import rank_and_world
 from models.ds_engine import full_weights, make_ds_engine
 from models.sft import sft_update
 from tasks.common import (env_kwargs, episode_options, read_scenarios, seed_everything, skill_slot, skills_per_step,
@@ -27,6 +28,9 @@ from tasks.skill_trials import with_stats
 from tasks.config import Params
 from tasks.layout import Layout, require
 from tasks.outputs import staged_outputs
+from tasks.tracking import log_metrics
+
+log = logging.getLogger("arlflow.warmstart")
 
 
 def bootstrap_bank(scenarios: list[Scenario], params: Params, layout: Layout, bank_dir: Path) -> list[Skill]:
@@ -54,6 +58,8 @@ def sft_policy(model, tokenizer, scenarios: list[Scenario], params: Params, save
     chosen = set(random.Random(params.pipeline.seed).sample(range(len(scenarios)),
                                                             round(cfg.skill_demos * len(scenarios)))) if skills else set()
     guided = [s for i, s in enumerate(scenarios) if i in chosen]
+    log.info("warmstart: rendering the expert demonstrations of %d scenarios (%d also skill-guided) ...",
+             len(scenarios), len(guided))
     # every scenario keeps its plain demonstration (held-out play is plain); the chosen ones add a skill-guided one
     pairs = expert_demonstrations(tokenizer, scenarios, **episode_options(params, layout),
                                   tool_format=params.harness.tool_format)
@@ -66,7 +72,13 @@ def sft_policy(model, tokenizer, scenarios: list[Scenario], params: Params, save
     if cfg.lora.r > 0:
         model = cfg.lora.apply(model)
     engine = make_ds_engine(model, cfg.optimizer, micro_batch_size=cfg.update.micro_batch_size)
-    metrics = sft_update(engine, pairs, pad_id=tokenizer.pad_token_id, update=cfg.update, seed=params.pipeline.seed)
+    log.info("warmstart: SFT on %d demonstrations, epochs: %d", len(pairs), cfg.update.epochs)
+    on_update = (lambda step, m: log_metrics(m, step=step, prefix="sft.")) if rank_and_world()[0] == 0 else None
+    metrics = sft_update(engine, pairs, pad_id=tokenizer.pad_token_id, update=cfg.update, seed=params.pipeline.seed,
+                         desc="warmstart", on_update=on_update)
+    log.info("warmstart: loss %.4f -> %.4f (first -> last micro-batch; last epoch's mean %.4f) over %d updates, "
+             "%.0f tokens/s (per-step curve: MLflow sft.loss)", metrics["loss_first"], metrics["loss_last"],
+             metrics["loss_last_epoch"], metrics["updates"], metrics["tokens_per_s"])
     metrics["demos"] = len(pairs)
     metrics["skill_guided_scenarios"] = len(guided)
     with full_weights(engine) as trained:  # gathers ZeRO-3 partitions; a no-op for stages 0-2
@@ -92,6 +104,7 @@ def run(params: Params, layout: Layout) -> dict[str, Any]:
             metrics["bootstrap_skills"] = [s.name for s in skills]
             metrics.update(sft_policy(model, tokenizer, scenarios, params, out.path(target), layout, skills))
         else:
+            log.info("warmstart off (warmstart.enabled false): the base policy is the warm start")
             save_policy(model, tokenizer, out.path(target))
         write_json(out.path(metrics_path), metrics)
     return metrics

@@ -30,6 +30,22 @@ def prefect(*args: str, env: dict, cwd: Path, timeout: int = 120) -> subprocess.
     return result
 
 
+def test_every_stage_and_the_pipeline_are_deployable():
+    """One deployment per flow of flows/pipeline.py, each pointing at that flow with parameters it accepts."""
+    import flows.pipeline
+
+    deployments = yaml.safe_load((REPO / "infra" / "prefect.yaml").read_text())["deployments"]
+    flows_deployed = {}
+    for deployment in deployments:
+        path, name = deployment["entrypoint"].split(":")
+        assert path == "flows/pipeline.py" and deployment["work_pool"]["name"] == "arlflow-process", deployment
+        flow = getattr(flows.pipeline, name)
+        flow.validate_parameters(deployment["parameters"])  # raises on a parameter the flow does not take
+        assert deployment["name"] == f"arlflow-{flow.name}"
+        flows_deployed[flow.name] = flow
+    assert flows_deployed == {**flows.pipeline.STAGE_FLOWS, "pipeline": flows.pipeline.pipeline_flow}
+
+
 @pytest.mark.slow
 def test_bootstrap_deployment_runs_on_a_process_worker(tmp_path):
     project = tmp_path / "project"
