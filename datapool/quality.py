@@ -23,19 +23,17 @@ import copy
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import great_expectations as gx
-import great_expectations.expectations as gxe
 import numpy as np
 import pandas as pd
-from great_expectations.core import ExpectationSuiteValidationResult, RunIdentifier
-from great_expectations.data_context.types.base import ProgressBarsConfig
-from great_expectations.data_context.types.resource_identifiers import (ExpectationSuiteIdentifier,
-                                                                         ValidationResultIdentifier)
 
 from datapool.filters import degenerate_group_ids
 from models.checks import ConfigValueError, check_config
+
+if TYPE_CHECKING:  # great-expectations is imported where it runs: GateConfig is loaded by every config read
+    import great_expectations as gx
+    from great_expectations.core import ExpectationSuiteValidationResult
 
 REQUIRED_COLUMNS: tuple[str, ...] = (
     "trajectory_id", "group_id", "step_index", "prompt_ids", "response_ids", "logprobs", "reward",
@@ -177,6 +175,9 @@ def derive_checked_columns(df: pd.DataFrame) -> pd.DataFrame:
 
 
 def _suite(limits: QualityLimits) -> gx.ExpectationSuite:
+    import great_expectations as gx
+    import great_expectations.expectations as gxe
+
     suite = gx.ExpectationSuite(name="arlflow_steps")
     for expectation in (
         gxe.ExpectColumnValuesToNotBeNull(column="trajectory_id"),
@@ -244,6 +245,9 @@ def stepless_groups(trajectories) -> dict[str, int]:
 
 
 def _context() -> gx.data_context.EphemeralDataContext:
+    import great_expectations as gx
+    from great_expectations.data_context.types.base import ProgressBarsConfig
+
     context = gx.get_context(mode="ephemeral")
     context.enable_analytics(False)  # never phone home from a training cluster
     context.variables.progress_bars = ProgressBarsConfig(globally=False)  # no tqdm bar per validation
@@ -271,6 +275,9 @@ def validate_steps(df: pd.DataFrame, limits: QualityLimits, *, round: int | None
     derived = derive_checked_columns(df)
     if stepless:
         derived["group_trajectories"] += derived["group_id"].map(stepless).fillna(0).astype("int64")
+
+    import great_expectations as gx
+    from great_expectations.core import RunIdentifier
 
     context = _context()
     batch_definition = (context.data_sources.add_pandas("steps")
@@ -312,6 +319,10 @@ def write_data_docs(report: QualityReport, folder: Path) -> Path | None:
     the validation result page). Returns the result page, relative to ``folder``: it reads offline, where the site's
     index.html lists the run only with the scripts GX loads from a CDN. None, writing nothing, when no expectation
     ran (an empty step table)."""
+    import great_expectations as gx
+    from great_expectations.data_context.types.resource_identifiers import (ExpectationSuiteIdentifier,
+                                                                             ValidationResultIdentifier)
+
     validation = report.validation
     if validation is None:
         return None

@@ -46,8 +46,6 @@ import hashlib
 from typing import Any, Callable
 
 import numpy as np
-import rlcard
-from rlcard.models.limitholdem_rule_models import LimitholdemRuleAgentV1
 
 from envs.base import check_reset_options, register_env
 
@@ -74,6 +72,8 @@ def sort_cards(cards: list[str]) -> list[str]:
 
 def rule_opponent(state: dict, rng: np.random.Generator) -> str:
     """rlcard's ``LimitholdemRuleAgentV1``; an illegal pick (never seen heads-up) falls back to check/call/fold."""
+    from rlcard.models.limitholdem_rule_models import LimitholdemRuleAgentV1  # rlcard loads in seconds: on use
+
     action = LimitholdemRuleAgentV1.step(state)
     legal = state["raw_legal_actions"]
     if action in legal:
@@ -115,6 +115,8 @@ class HoldemText:
         self.max_steps = int(max_steps) if max_steps is not None else STEPS_PER_HAND * self.hands
         self.verbosity = verbosity
         self.invalid_penalty = float(invalid_penalty)
+        import rlcard  # on use: `import envs` (every config read) registers this env without loading rlcard
+
         self._rl: Any = rlcard.make("limit-holdem", config={"seed": 0})
         self._policy: OpponentPolicy = OPPONENT_POLICIES[self.opponent]
         self._episode_opponent = self.opponent

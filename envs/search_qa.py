@@ -43,9 +43,7 @@ from collections import Counter
 from functools import lru_cache
 from importlib import resources
 
-import bm25s
 import numpy as np
-from bm25s.tokenization import Tokenizer
 
 from envs.base import check_reset_options, register_env
 from envs.search_corpus import sentences
@@ -91,6 +89,9 @@ class SearchIndex:
     """BM25 over ``docs`` (title + text, English stopwords, no stemming) with query-dependent snippets."""
 
     def __init__(self, docs: tuple[dict, ...]) -> None:
+        import bm25s  # with scipy: seconds, so on first use rather than on `import envs`
+        from bm25s.tokenization import Tokenizer
+
         self.docs = docs
         self.position = {d["id"]: i for i, d in enumerate(docs)}  # doc id -> index
         self.stopwords = set(bm25s.stopwords.STOPWORDS_EN)

@@ -29,16 +29,18 @@ import re
 from pathlib import Path
 from typing import Any, Iterable
 
-import textworld
-from textworld import EnvInfos
-
 from envs.base import check_reset_options, register_env
 from envs.textworld_games import CookingSettings, default_games_dir, generate_game, quiet_jericho
 
 RESET_OPTIONS: tuple[str, ...] = ("split",)
 INVALID_FEEDBACK = "That is not an available action."
-_REQUEST_INFOS = EnvInfos(admissible_commands=True, policy_commands=True, facts=True, score=True, max_score=True,
-                          won=True, lost=True, objective=True, extras=["walkthrough", "uuid"])
+
+
+def _request_infos():
+    from textworld import EnvInfos  # TextWorld loads in seconds: imported on use, not by `import envs`
+
+    return EnvInfos(admissible_commands=True, policy_commands=True, facts=True, score=True, max_score=True,
+                    won=True, lost=True, objective=True, extras=["walkthrough", "uuid"])
 
 
 # ------------------------------------------------------------------------------------------------ text
@@ -182,7 +184,9 @@ class TextWorldCooking:
         if path != self._path:
             self.close()
             with quiet_jericho():
-                self._tw = textworld.start(str(path), request_infos=_REQUEST_INFOS)
+                import textworld
+
+                self._tw = textworld.start(str(path), request_infos=_request_infos())
             self._path = path
         self._state = self._tw.reset()
         self._game_id = short_hash(self._state["extra.uuid"], 8)

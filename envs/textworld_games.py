@@ -20,10 +20,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
-from jericho.jericho import UnsupportedGameWarning
-from textworld import GameOptions
-from textworld.challenges.tw_cooking import cooking
-from textworld.generator import compile_game
 from tqdm import tqdm
 
 LOG = logging.getLogger("envs.textworld_cooking")  # the env's logger, so its warnings keep their name
@@ -83,6 +79,8 @@ class CookingSettings:
 def quiet_jericho() -> Iterator[None]:
     """Silence Jericho's UnsupportedGameWarning: TextWorld tracks score and state itself, Jericho need not."""
     with warnings.catch_warnings():
+        from jericho.jericho import UnsupportedGameWarning  # TextWorld's stack: imported on use, not by `import envs`
+
         warnings.simplefilter("ignore", UnsupportedGameWarning)
         yield
 
@@ -137,6 +135,10 @@ def generate_game(seed: int, split: str, settings: CookingSettings, games_dir: s
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp_dir = Path(tempfile.mkdtemp(prefix=".tmp-", dir=path.parent))
     try:
+        from textworld import GameOptions
+        from textworld.challenges.tw_cooking import cooking
+        from textworld.generator import compile_game
+
         options = GameOptions()
         options.seeds = int(seed)
         options.path = str(tmp_dir / path.name)

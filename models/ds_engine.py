@@ -16,16 +16,21 @@ from typing import Iterator
 
 import torch
 
-if not torch.cuda.is_available():
-    # naming the accelerator skips DeepSpeed's detection, whose CPU fallback warns "Setting accelerator to CPU"
-    # on every import of deepspeed
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
-
-import deepspeed  # noqa: E402  (after DS_ACCELERATOR)
-
 from models.checks import check_choice, check_config
 
 log = logging.getLogger(__name__)
+
+
+@functools.cache
+def import_deepspeed():
+    """DeepSpeed, imported on first use (OptimizerConfig is read by every config load; the import takes seconds).
+    Where no GPU is visible the accelerator is named first: that skips DeepSpeed's detection, whose CPU fallback
+    warns "Setting accelerator to CPU" on every import."""
+    if not torch.cuda.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import deepspeed
+
+    return deepspeed
 
 DEEPSPEED_CONFIG_DIR = Path(__file__).resolve().parents[1] / "infra" / "deepspeed"
 PRECISIONS = ("auto", "fp32", "bf16")
@@ -191,6 +196,7 @@ def make_ds_engine(
     elif cfg.lr_schedule != "constant" or cfg.warmup_steps:
         raise ValueError(f"config has a 'scheduler' section and lr_schedule={cfg.lr_schedule!r}/warmup_steps="
                          f"{cfg.warmup_steps} were set too: keep one of the two")
+    deepspeed = import_deepspeed()
     if not deepspeed.comm.is_initialized() and not torch.cuda.is_available():
         log.info("starting DeepSpeed on the CPU (a machine's first run builds its shared-memory communication op: "
                  "~1-2 min without output, cached after) ...")
@@ -209,7 +215,7 @@ def full_weights(engine) -> Iterator[torch.nn.Module]:
     save from rank 0 only).
     """
     module = engine.module
-    gathered = (deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None)
+    gathered = (import_deepspeed().zero.GatheredParameters(list(module.parameters()), modifier_rank=None)
                 if engine.zero_optimization_stage() == 3 else contextlib.nullcontext())
     with gathered:
         yield copy.deepcopy(module).merge_and_unload() if hasattr(module, "merge_and_unload") else module

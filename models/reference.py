@@ -8,13 +8,16 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
-from peft import LoraConfig, PeftModel, get_peft_model
 from torch import Tensor
 
 from models.checks import check_config
 from models.forward import token_logprobs
+
+if TYPE_CHECKING:  # peft is imported where adapters are made or checked: AdapterConfig is read by every config load
+    from peft import PeftModel
 
 
 @dataclass(frozen=True)
@@ -52,6 +55,8 @@ def apply_lora(
     """
     if r < 1:
         raise ValueError(f"LoRA rank r must be >= 1, got {r}")
+    from peft import LoraConfig, get_peft_model
+
     config = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, bias="none", task_type="CAUSAL_LM",
                         target_modules=target_modules if target_modules is not None else "all-linear")
     return get_peft_model(model, config)
@@ -65,6 +70,8 @@ class ReferencePolicy:
     """
 
     def __init__(self, policy: torch.nn.Module, *, device: torch.device | str | None = None):
+        from peft import PeftModel
+
         self.shares_policy = isinstance(policy, PeftModel)
         if self.shares_policy:
             self.model = policy
