@@ -86,15 +86,25 @@ def _process_alive(pid: int) -> bool:
     return True
 
 
+_exported_uri: str | None = None
+"""The project store configure() last selected: set_tracking_uri exports it as MLFLOW_TRACKING_URI, and a value
+equal to it is ours, not the user's (another project configured in the same process must get its own store)."""
+
+
 def configure(layout: Layout, experiment: str) -> str:
     """Point MLflow at the project's store (unless MLFLOW_TRACKING_URI is set) and select the experiment. The
     project's experiment keeps its artifacts in mlartifacts/ (MLflow's default is ./mlruns under the working
     directory); set_tracking_uri exports MLFLOW_TRACKING_URI, so the store is told apart by its URI, not by that."""
-    uri = os.environ.get("MLFLOW_TRACKING_URI") or layout.mlflow_uri
+    global _exported_uri
+    exported = os.environ.get("MLFLOW_TRACKING_URI")
+    chosen_by_user = exported if exported and exported != _exported_uri else None
+    uri = chosen_by_user or layout.mlflow_uri
     project_store = uri == layout.mlflow_uri
     if project_store:
         create_sqlite_store(layout.mlflow_db, layout.mlflow_artifacts.absolute().as_uri())
     mlflow.set_tracking_uri(uri)
+    if chosen_by_user is None:
+        _exported_uri = uri
     if mlflow.get_experiment_by_name(experiment) is None:
         location = layout.mlflow_artifacts.absolute().as_uri() if project_store else None
         mlflow.create_experiment(experiment, artifact_location=location)

@@ -5,7 +5,8 @@ valid. Every stage runs as its own process, ``arlflow stage NAME [--round N]`` (
 Outputs compared: the stage's DVC outs, metrics and plots (flows/dvc_sync.stage_spec) file by file, plus the data
 pool's rows after rollout. Fields left out of the comparison, because they measure the run and not its result:
 ``wall_time_s``, ``sampled_tokens_per_s``, ``tokens_per_s`` (JSON metrics) and the pool's ``wall_time_s`` /
-``created_at``; and ``registered_version`` in train.json: the MLflow registry numbers every registration, and a
+``created_at``; the Data Docs of validate (its pages and paths carry the validation's run time: only the files'
+names, with the run-time folder dropped, are compared, and the report's ``data_docs`` link is left out); and ``registered_version`` in train.json: the MLflow registry numbers every registration, and a
 train killed after registering its policy makes the rerun's version the next number (the registered weights are
 the same). Everything else must be byte-identical (JSON compared as parsed values).
 """
@@ -40,7 +41,7 @@ TINY = {
 }
 SEQUENCE = stage_sequence(TINY["pipeline"]["rounds"])
 KILL_SEED = 14
-VOLATILE = {"wall_time_s", "sampled_tokens_per_s", "tokens_per_s", "registered_version"}
+VOLATILE = {"wall_time_s", "sampled_tokens_per_s", "tokens_per_s", "registered_version", "data_docs"}
 POOL_VOLATILE = ["wall_time_s", "created_at"]
 
 
@@ -87,6 +88,9 @@ def contents(root: Path, rel: str) -> dict[str, str] | None:
     if not path.exists():
         return None
     files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+    if path.name == "data_docs":  # validations/<suite>/<run name>/<run time>/<batch>.html: the run time varies
+        return {"pages": sorted(f"validations/.../{f.name}" if "validations" in f.relative_to(path).parts
+                                else str(f.relative_to(path)) for f in files)}
     return {str(f.relative_to(root)): file_content(f) for f in files}
 
 

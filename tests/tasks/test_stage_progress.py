@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 
 import mlflow
 import pytest
@@ -42,6 +43,7 @@ def tracked_round(tmp_path_factory):
     previous_level, lines = stage_loggers.level, Lines()
     stage_loggers.setLevel(logging.INFO)
     stage_loggers.addHandler(lines)
+    user_uri = os.environ.pop("MLFLOW_TRACKING_URI", None)  # an earlier test's store would win over the project's
     try:
         configure(layout, "progress")
         with mlflow.start_run() as run:
@@ -50,6 +52,9 @@ def tracked_round(tmp_path_factory):
         stage_loggers.removeHandler(lines)
         stage_loggers.setLevel(previous_level)
         mlflow.set_tracking_uri(previous_uri)
+        os.environ.pop("MLFLOW_TRACKING_URI", None)
+        if user_uri is not None:
+            os.environ["MLFLOW_TRACKING_URI"] = user_uri
     return layout, params, run.info.run_id, lines.records
 
 
