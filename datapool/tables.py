@@ -10,6 +10,8 @@ there are updated, never deleted.
 from __future__ import annotations
 
 import json
+import sqlite3
+import time
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -323,13 +325,30 @@ reach the OS before the call returns, so they survive the process being killed (
 ~5x faster writes."""
 
 
+def _switch_to_wal(cursor: sqlite3.Cursor, timeout_s: float) -> None:
+    """``PRAGMA journal_mode=WAL``, retried until ``timeout_s``: while another connection switches the same file
+    (several processes opening a fresh or older pool at once), SQLite answers "database is locked" at once instead
+    of calling the busy handler, so the wait has to be ours."""
+    deadline = time.monotonic() + timeout_s
+    pause = 0.005
+    while True:
+        try:
+            cursor.execute("PRAGMA journal_mode=WAL")
+            return
+        except sqlite3.OperationalError as err:
+            if "locked" not in str(err) and "busy" not in str(err) or time.monotonic() + pause > deadline:
+                raise
+            time.sleep(pause)
+            pause = min(pause * 2, 0.1)
+
+
 def _sqlite_pragmas(busy_timeout_ms: int, synchronous: str):
     def on_connect(dbapi_connection, _record) -> None:
         cursor = dbapi_connection.cursor()
         # first: switching the journal mode below needs the lock too, and must wait for it like any writer (a pool
         # being created or migrated by another process holds it), not fail after the driver's default 5 s
         cursor.execute(f"PRAGMA busy_timeout={busy_timeout_ms}")
-        cursor.execute("PRAGMA journal_mode=WAL")  # readers never block the writer
+        _switch_to_wal(cursor, busy_timeout_ms / 1000)  # readers never block the writer
         cursor.execute(f"PRAGMA synchronous={synchronous}")
         cursor.execute("PRAGMA foreign_keys=ON")
         cursor.close()

@@ -334,6 +334,39 @@ def test_a_failed_migration_changes_nothing(tmp_path: Path, monkeypatch: pytest.
         assert pool.steps_frame()["tool_calls"].tolist() == [0, 1]
 
 
+def test_opening_a_rollback_journal_pool_waits_while_another_connection_holds_its_write_lock(tmp_path: Path) -> None:
+    # switching a rollback-journal file to WAL while another connection holds its write lock fails at once in
+    # SQLite ("database is locked", no busy handler): the race behind three openers migrating one old pool
+    db = tmp_path / "v1.db"
+    with sqlite3.connect(db) as conn:
+        conn.executescript(V1_SCHEMA)
+    conn.close()
+    held, release = threading.Event(), threading.Event()
+
+    def hold_write_lock() -> None:
+        other = sqlite3.connect(db, isolation_level=None)
+        other.execute("BEGIN IMMEDIATE")
+        held.set()
+        release.wait(10)
+        other.execute("COMMIT")
+        other.close()
+
+    holder = threading.Thread(target=hold_write_lock)
+    holder.start()
+    held.wait(10)
+    threading.Timer(0.4, release.set).start()
+    try:
+        pool = DataPool(str(db))
+    finally:
+        release.set()
+        holder.join()
+    pool.close()
+    with sqlite3.connect(db) as conn:
+        assert conn.execute("PRAGMA journal_mode").fetchone() == ("wal",)
+        assert conn.execute("SELECT version FROM schema_version").fetchall() == [(SCHEMA_VERSION,)]
+    conn.close()
+
+
 def test_two_processes_opening_a_version_1_pool_at_once_migrate_it_once(tmp_path: Path) -> None:
     db = tmp_path / "v1.db"
     with sqlite3.connect(db) as conn:
