@@ -1,6 +1,7 @@
 """`arlflow`: run the pipeline or one stage (dvc.yaml calls `arlflow stage NAME [--round N]`)."""
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import Optional
@@ -42,12 +43,21 @@ def _require_current_dvc_yaml(params, layout: Layout) -> None:
         raise typer.Exit(2) from err
 
 
+def _say_starting(what: str) -> None:
+    """The first line, printed before the seconds of imports and Prefect's server start-up that precede a flow."""
+    server = os.environ.get("PREFECT_API_URL")
+    where = (f"Prefect server {server}" if server else
+             "Prefect's temporary server starts first (~5-15 s; export PREFECT_API_URL of a running server to skip it)")
+    typer.echo(f"arlflow {what}: loading; {where}", err=True)
+
+
 @app.command()
 def stage(name: str = typer.Argument(..., help="bootstrap, curate, warmstart, rollout, validate, mine, train, "
                                               "evaluate, transfer"),
           round: Optional[int] = typer.Option(None, "--round", help="round number for rollout/validate/mine/train"),
           root: Path = typer.Option(Path("."), help="project root (holds params.yaml)")) -> None:
     """Run one stage as its Prefect flow (what each dvc.yaml stage calls)."""
+    _say_starting(f"stage {name}" + (f" round {round}" if round is not None else ""))
     from flows.pipeline import STAGE_FLOWS
     from flows.stages import check_stage
 
@@ -64,6 +74,7 @@ def stage(name: str = typer.Argument(..., help="bootstrap, curate, warmstart, ro
 def pipeline(root: Path = typer.Option(Path("."), help="project root (holds params.yaml and dvc.yaml)"),
              force: bool = typer.Option(False, help="rerun every stage even if DVC sees it up to date")) -> None:
     """Run the whole pipeline as one Prefect flow (stages DVC sees as fresh are skipped); print the results."""
+    _say_starting("pipeline")
     from flows.pipeline import pipeline_flow
 
     layout, params = _load(root)

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import pytest
 
+pytest_plugins = ["tests.servers"]  # PostgreSQL and S3 servers, one per session
+
 ENV_LIKE_TEXTS = [
     f"You are in the kitchen (room {i}). Exits: north, east.\n"
     f"Inventory: {i % 5} coins, a lamp.\n> take key {i * 7}\nYou take the key. Score: {i * 3}/100.\n"

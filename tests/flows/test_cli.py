@@ -39,6 +39,8 @@ def test_cli_stage_without_round_exits_2():
     result = subprocess.run([sys.executable, "-m", "flows.cli_main", "stage", "rollout", "--root", str(REPO)],
                             capture_output=True, text=True, cwd=REPO)
     assert result.returncode == 2 and "needs --round" in result.stderr
+    # issue 15: the first line comes before the imports and Prefect's server start-up (25-35 s were silent)
+    assert result.stderr.splitlines()[0].startswith("arlflow stage rollout: loading; Prefect's temporary server")
 
 
 def test_cli_dvc_yaml_check_detects_drift(tmp_path):

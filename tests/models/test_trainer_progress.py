@@ -88,3 +88,16 @@ def test_importing_deepspeed_prints_no_accelerator_warning():
                            "assert 'deepspeed' not in sys.modules; e.import_deepspeed()"], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=300, check=True)
     assert "Setting accelerator" not in done.stdout + done.stderr
+
+
+def test_stage_code_importing_deepspeed_through_accelerate_prints_no_accelerator_warning(tmp_path):
+    """accelerate imports DeepSpeed itself (``save_pretrained`` unwraps the model through it: the bootstrap stage
+    does), outside arlflow's lazy import: the warning must not reach a stage's output that way either."""
+    env = {k: v for k, v in os.environ.items() if k != "DS_ACCELERATOR"}
+    code = ("import sys; from models.build import TinyModelConfig, build_model, save_policy, train_tokenizer; "
+            "tok = train_tokenizer(['go north to the lamp'] * 20, 300); "
+            f"save_policy(build_model(tok, TinyModelConfig(), seed=0), tok, {str(tmp_path / 'policy')!r}); "
+            "assert 'deepspeed' in sys.modules")
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=300, check=True)
+    assert "Setting accelerator" not in done.stdout + done.stderr
