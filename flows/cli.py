@@ -12,8 +12,9 @@ from flows.gateway_cli import gateway_app
 from flows.pool_cli import pool_app
 from tasks.layout import Layout
 
-# The pipeline, its stages and the config classes import torch, DeepSpeed, transformers, great-expectations and
-# every env (10-20 s on 2 cores): each command imports what it runs, so `arlflow --help` starts at once.
+# The pipeline and its stages import torch, DeepSpeed, transformers, great-expectations and every env (10-20 s on
+# 2 cores): each command imports what it runs, so `arlflow --help` starts at once and `check-params` (config classes
+# and flows/stage_order.py only) loads no torch.
 
 app = typer.Typer(help="arlflow: train multi-turn LLM agents with RL, as a versioned, tracked pipeline.",
                   no_args_is_help=True, pretty_exceptions_enable=False)
@@ -58,15 +59,16 @@ def stage(name: str = typer.Argument(..., help="bootstrap, curate, warmstart, ro
           root: Path = typer.Option(Path("."), help="project root (holds params.yaml)")) -> None:
     """Run one stage as its Prefect flow (what each dvc.yaml stage calls)."""
     _say_starting(f"stage {name}" + (f" round {round}" if round is not None else ""))
-    from flows.pipeline import STAGE_FLOWS
-    from flows.stages import check_stage
+    from flows.stage_order import check_stage
 
     layout, params = _load(root)
     try:
-        check_stage(name, round, params)
+        check_stage(name, round, params.pipeline.rounds)
     except ValueError as err:
         typer.secho(f"error: {err}", fg=typer.colors.RED, err=True)
         raise typer.Exit(2) from err
+    from flows.pipeline import STAGE_FLOWS
+
     STAGE_FLOWS[name](root=str(layout.root), round_index=round)
 
 

@@ -4,13 +4,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from flows.stage_order import ROUND_STAGES, dvc_stage_name, stage_sequence  # noqa: F401 - the stage table's API
+from flows.stage_order import check_stage as _check_stage
 from tasks import bootstrap, curate, evaluate, mine, rollout, train, transfer, validate, warmstart
 from tasks.config import Params
 from tasks.layout import Layout
 from tasks.outputs import recover
 from tasks.tracking import log_metrics, log_stage_inputs, log_stage_outputs, stage_run
 
-ROUND_STAGES = ("rollout", "validate", "mine", "train")
 STAGE_FUNCTIONS: dict[str, Callable[..., dict[str, Any]]] = {
     "bootstrap": bootstrap.run,
     "curate": curate.run,
@@ -24,26 +25,8 @@ STAGE_FUNCTIONS: dict[str, Callable[..., dict[str, Any]]] = {
 }
 
 
-def dvc_stage_name(stage: str, round_index: int | None) -> str:
-    return stage if round_index is None else f"{stage}_{round_index}"
-
-
-def stage_sequence(rounds: int) -> list[tuple[str, int | None]]:
-    """(stage, round) in pipeline order, rounds unrolled."""
-    sequence: list[tuple[str, int | None]] = [("bootstrap", None), ("curate", None), ("warmstart", None)]
-    sequence += [(stage, r) for r in range(1, rounds + 1) for stage in ROUND_STAGES]
-    return sequence + [("evaluate", None), ("transfer", None)]
-
-
 def check_stage(stage: str, round_index: int | None, params: Params) -> None:
-    if stage not in STAGE_FUNCTIONS:
-        raise ValueError(f"unknown stage {stage!r}; stages: {list(STAGE_FUNCTIONS)}")
-    if stage in ROUND_STAGES:
-        if round_index is None or not 1 <= round_index <= params.pipeline.rounds:
-            raise ValueError(f"stage {stage!r} needs --round N with 1 <= N <= pipeline.rounds "
-                             f"({params.pipeline.rounds})")
-    elif round_index is not None:
-        raise ValueError(f"stage {stage!r} takes no --round")
+    _check_stage(stage, round_index, params.pipeline.rounds)
 
 
 def run_stage_functions(params: Params, layout: Layout, *, include: tuple[str, ...] = ("bootstrap", "warmstart",

@@ -1,6 +1,7 @@
 """Shared pieces of every advantage estimator: the batch record StepBatch, the result AdvantageResult, the ADVANTAGES
-registry, and the helpers that keep the conventions of models/advantages.py identical across estimators (row layout
-and its checks, invalid-action penalty, float64 group statistics, result dtype and metrics).
+registry (declared torch-free in models/config.py), and the helpers that keep the conventions of models/advantages.py
+identical across estimators (row layout and its checks, invalid-action penalty, float64 group statistics, result dtype
+and metrics).
 
 The estimators themselves live in models/outcome_advantages.py and models/step_advantages.py; import
 models.advantages (the config, and the module that imports every estimator) to get the full registry.
@@ -12,14 +13,10 @@ from typing import TYPE_CHECKING, Iterator, NamedTuple
 import torch
 from torch import Tensor
 
-from models.registry import Registry
+from models.config import ADVANTAGES, GRPO_EPS  # noqa: F401 - re-exported to the estimator modules
 
 if TYPE_CHECKING:  # for annotations only: models.advantages imports this module
     from models.advantages import AdvantageConfig
-
-ADVANTAGES = Registry("advantage")
-
-GRPO_EPS = 1e-6
 
 
 # ---------------------------------------------------------------------------------------------------------------

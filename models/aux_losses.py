@@ -6,38 +6,14 @@ metrics hold the unweighted value, so runs with different weights compare.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from models.checks import ConfigValueError, check_config
+from models.config import AUX_LOSSES, AuxConfig
 from models.losses import aggregate, masked_token_mean
-from models.registry import Registry
-
-AUX_LOSSES = Registry("aux_loss")
-
-
-@dataclass(frozen=True)
-class AuxConfig:
-    """params.yaml ``train.aux``: which auxiliary losses run, their weights and settings."""
-
-    names: tuple[str, ...] = field(default=(), metadata={"registry": AUX_LOSSES})
-    """Auxiliary losses added to the policy loss (AUX_LOSSES: echo, seal); they read observation tokens, so they
-    need ``train.layout: concatenated``. Empty = none."""
-    echo_weight: float = 0.05
-    """lambda of ECHO: L = L_pg + lambda * L_env (docs/algorithms.md §6)."""
-    seal_weight: float = 0.01
-    """Weight of the SEAL separation loss."""
-    seal_margin: float = 0.5
-    """SEAL hinge: a group costs max(0, margin - cosine distance) between success and failure centroids; in (0, 2]."""
-
-    def __post_init__(self) -> None:
-        check_config(self, echo_weight="non_negative", seal_weight="non_negative")
-        if not 0.0 < self.seal_margin <= 2.0:
-            raise ConfigValueError("seal_margin", self.seal_margin, "in (0, 2] (cosine distance lies in [0, 2])")
 
 
 class AuxInputs(NamedTuple):

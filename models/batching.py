@@ -12,41 +12,15 @@ split, and there is exactly one optimizer step per mini-batch (`train_mini_batch
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Callable, NamedTuple
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from models.checks import check_config
 from models.checkpoint import rank_and_world
+from models.config import UpdateConfig  # noqa: F401 - re-exported: the config of these updates
 from models.portable.action_trie import allowed_positions, pad_allowed
-
-
-@dataclass(frozen=True)
-class UpdateConfig:
-    """How rows are cut into optimizer steps (params.yaml ``train.update`` and ``warmstart.update``)."""
-
-    epochs: int = 1
-    """Passes over the rows."""
-    micro_batch_size: int = 8
-    """Rows per forward pass (and per optimizer step unless mini_batch_size is set)."""
-    mini_batch_size: int = 0
-    """Rows per optimizer step over all ranks; 0 = the engine's train batch (micro_batch_size x world size).
-    Larger than micro_batch_size accumulates gradients."""
-    token_budget: int = 0
-    """Padded tokens (rows x longest) per forward pass; 0 = no budget, micro_batch_size only."""
-    checkpoint_every: int = 50
-    """Optimizer steps between resumable checkpoints of an RL update (and one at the end)."""
-
-    def __post_init__(self) -> None:
-        check_config(self, epochs="positive", micro_batch_size="positive", mini_batch_size="non_negative",
-                     token_budget="non_negative", checkpoint_every="positive")
-
-    def mini_batch(self, engine) -> int:
-        """Rows per optimizer step: mini_batch_size, or the engine's train batch size when it is 0."""
-        return self.mini_batch_size or engine.train_batch_size()
 
 
 class TrainRow(NamedTuple):

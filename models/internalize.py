@@ -29,23 +29,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from models.config import InternalizeConfig
+
 TokenWeights = float | list[float]   # one weight for every response token of a pair, or one per response token
-
-
-@dataclass(frozen=True)
-class InternalizeConfig:
-    """How strongly skill-guided actions are distilled into the plain-prompt policy."""
-
-    coef: float = 1.0
-    """Multiplies every token weight; 0 turns internalization off (no pair is selected)."""
-    w_max: float = 1.0
-    """Cap on u(c) * A_t, applied before `coef`, so one large advantage or utility cannot dominate the loss."""
-
-    def __post_init__(self) -> None:
-        if not (math.isfinite(self.coef) and self.coef >= 0):
-            raise ValueError(f"internalize coef must be a finite number >= 0 (0 turns it off), got {self.coef}")
-        if not (math.isfinite(self.w_max) and self.w_max > 0):
-            raise ValueError(f"internalize w_max must be a finite number > 0 (1.0 is the usual cap), got {self.w_max}")
 
 
 @dataclass(frozen=True)

@@ -15,52 +15,14 @@ reference policy (``kl_kind``), the term ``kl_beta`` weighs.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from models.checks import ConfigValueError, check_choice, check_config
-from models.registry import Registry
+from models.config import AGGREGATIONS, KL_KINDS, LOSSES, LossConfig
 
-LOSSES = Registry("loss")
-
-AGGREGATIONS = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
-KL_KINDS = ("k1", "k2", "k3")
 LOG_RATIO_CLAMP = 20.0
 K3_CLAMP = 10.0
-
-
-@dataclass(frozen=True)
-class LossConfig:
-    """params.yaml ``train.loss``: the policy loss and the terms added to it (`policy_objective`)."""
-
-    name: str = field(default="ppo_clip", metadata={"registry": LOSSES})
-    """Policy loss (LOSSES): ppo_clip (clip_low / clip_high = clip-higher, dual_clip) or vanilla_pg."""
-    clip_low: float = 0.2
-    """ppo_clip: the ratio is clipped below at 1 - clip_low."""
-    clip_high: float = 0.2
-    """ppo_clip: the ratio is clipped above at 1 + clip_high (DAPO's clip-higher when > clip_low)."""
-    dual_clip: float = 0.0
-    """Dual-clip constant c (> 1) bounding the loss of negative advantages at -c * A (3.0 in the paper); 0 = off."""
-    aggregation: str = "token-mean"
-    """How per-token losses reduce to a scalar: token-mean, seq-mean-token-sum, seq-mean-token-mean,
-    seq-mean-token-sum-norm (`aggregate`)."""
-    kl_beta: float = 0.0
-    """Weight of the KL penalty to the frozen reference policy (the round's starting policy); 0 = no reference."""
-    kl_kind: str = "k3"
-    """KL estimator of the penalty: k1, k2 or k3 (`kl_penalty`)."""
-    entropy_coef: float = 0.0
-    """Weight of the entropy bonus (subtracted from the loss); 0 = off (entropy is still logged)."""
-
-    def __post_init__(self) -> None:
-        check_config(self, clip_low="fraction", clip_high="non_negative", dual_clip="non_negative",
-                     kl_beta="non_negative", entropy_coef="non_negative")
-        check_choice(self, "aggregation", AGGREGATIONS)
-        check_choice(self, "kl_kind", KL_KINDS)
-        if 0.0 < self.dual_clip <= 1.0:
-            raise ConfigValueError("dual_clip", self.dual_clip, "0 (off) or > 1 (the usual value is 3.0)")
 
 
 def masked_token_mean(x: Tensor, mask: Tensor) -> Tensor:

@@ -7,36 +7,15 @@ which costs no memory. Build it before `make_ds_engine` (under ZeRO-3 the engine
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
-from models.checks import check_config
 from models.forward import token_logprobs
 
-if TYPE_CHECKING:  # peft is imported where adapters are made or checked: AdapterConfig is read by every config load
+if TYPE_CHECKING:  # peft is imported where adapters are made (the import takes seconds)
     from peft import PeftModel
-
-
-@dataclass(frozen=True)
-class AdapterConfig:
-    """params.yaml ``train.lora``: LoRA adapters instead of full fine-tuning (`apply_lora`)."""
-
-    r: int = 0
-    """LoRA rank; 0 = full fine-tuning. The saved policy has the adapters merged."""
-    alpha: int = 0
-    """LoRA scale numerator (scale alpha / r); 0 = 2 * r."""
-    dropout: float = 0.0
-    """Dropout on the adapters' input, in [0, 1)."""
-
-    def __post_init__(self) -> None:
-        check_config(self, r="non_negative", alpha="non_negative", dropout="fraction")
-
-    def apply(self, model: torch.nn.Module) -> "PeftModel":
-        """``model`` wrapped in this config's adapters (call only with r > 0)."""
-        return apply_lora(model, r=self.r, alpha=self.alpha or 2 * self.r, dropout=self.dropout)
 
 
 def apply_lora(

@@ -17,12 +17,12 @@ import json
 import math
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 import torch
 
-from models.checks import ConfigValueError, check_choice, check_config
+from models.config import EngineConfig  # noqa: F401 - re-exported: the config of the engines
 from models.engine import Generation, SamplingParams
 from models.forward import gather_logprobs
 from models.openai_pool import OpenAIUpstreamPool, UpstreamResponseError, UpstreamResult, upstream_output_problem
@@ -30,8 +30,6 @@ from models.portable.action_trie import ActionTrie, Choices, allowed_positions, 
 
 CHOICES_XARG = "arlflow_action_choices"   # models/portable/arlflow_action_trie.py reads it from vllm_xargs
 
-ENGINE_KINDS = ("local", "vllm", "openai")
-RELOAD_MODES = ("none", "reload_weights")
 PROBE_TEXTS = (
     "You are an agent in a text world. Observation:",
     "Task: reach the goal. Valid actions: up, down, left, right. Action:",
@@ -42,73 +40,6 @@ PROBE_TEXTS = (
     "Inventory: key, lamp. What next?",
     "Hello",
 )
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    """params.yaml ``engine``: where rollout, evaluate and transfer sample from."""
-
-    kind: str = "local"
-    """local: the in-process transformers engine (the embedded default); vllm: arlflow starts and owns vLLM OpenAI
-    servers on loopback for each policy (restarted per policy: the handoff); openai: servers you run (``urls``)."""
-    urls: tuple[str, ...] = ()
-    """kind openai: OpenAI base URLs of the servers, e.g. http://gpu1:8000/v1."""
-    model: str = ""
-    """kind openai: the model id to request when the servers do not serve the policy under its version name (their
-    weights are then checked by the probes); empty = the policy version (start vLLM with --served-model-name)."""
-    api_key_env: str = ""
-    """kind openai: name of the environment variable holding the servers' API key (never the key itself)."""
-    reload: str = "none"
-    """kind openai, at each new policy: none (the servers already serve it) or reload_weights (vLLM's dev-mode
-    POST /collective_rpc reload_weights with the policy folder; GPU builds). Either way the probes verify it."""
-    servers: int = 1
-    """kind vllm: how many servers to start (requests are balanced over them)."""
-    python: str = ".vllm-venv/bin/python"
-    """kind vllm: the interpreter of vLLM's own venv (`make vllm` builds it; vLLM cannot share arlflow's)."""
-    max_model_len: int = 1024
-    """kind vllm: the servers' context length (prompt + new tokens), capped at the model's
-    max_position_embeddings."""
-    dtype: str = "float32"
-    """kind vllm: the servers' dtype (float32 on CPU; bfloat16 on GPU, with a looser verify_tolerance)."""
-    kv_cache_gb: int = 1
-    """kind vllm: KV-cache size per server on CPU (VLLM_CPU_KVCACHE_SPACE, GiB)."""
-    gpu_memory_utilization: float = 0.0
-    """kind vllm on GPU: the fraction of GPU memory per server; 0 leaves vLLM's default."""
-    extra_args: tuple[str, ...] = ()
-    """kind vllm: more server flags, appended as given."""
-    startup_timeout_s: float = 600.0
-    """kind vllm: how long a server may take to answer /health (imports take 30-130 s on CPU)."""
-    concurrency: int = 64
-    """kind vllm/openai: requests in flight at once from one stage."""
-    prompts_per_request: int = 256
-    """kind vllm/openai: a turn's prompts go in batched requests of at most this many distinct prompts (a group's
-    identical prompts once, with n); 1 = one request per prompt with its own seed (independent sampling streams,
-    5-10x slower on vLLM-CPU). vLLM seeds all prompts of a request alike."""
-    timeout_s: float = 300.0
-    """kind vllm/openai: per-request timeout."""
-    verify_prompts: int = 4
-    """Probe prompts checked at every handoff (0 skips the check, which the stage then reports)."""
-    verify_tokens: int = 4
-    """Greedy tokens per probe prompt."""
-    verify_tolerance: float = 1e-3
-    """Largest |served log-prob - local forward log-prob| accepted (fp32 CPU agrees within ~1e-5)."""
-
-    def __post_init__(self) -> None:
-        check_choice(self, "kind", ENGINE_KINDS)
-        check_choice(self, "reload", RELOAD_MODES)
-        check_choice(self, "dtype", ("float32", "bfloat16", "float16", "auto"))
-        check_config(self, servers="positive", max_model_len="positive", kv_cache_gb="positive",
-                     startup_timeout_s="positive", concurrency="positive", timeout_s="positive",
-                     prompts_per_request="positive",
-                     verify_prompts="non_negative", verify_tokens="positive", verify_tolerance="positive",
-                     gpu_memory_utilization="probability")
-        if self.kind == "openai" and not self.urls:
-            raise ConfigValueError("urls", self.urls, "at least one OpenAI base URL when kind is openai")
-        for url in self.urls:
-            if not isinstance(url, str) or not url.startswith(("http://", "https://")):
-                raise ConfigValueError("urls", url, "http(s) URLs, e.g. http://127.0.0.1:8000/v1")
-        if self.kind == "vllm" and not self.python.strip():
-            raise ConfigValueError("python", self.python, "the path of vLLM's venv interpreter")
 
 
 class PolicyMismatchError(RuntimeError):

@@ -27,10 +27,8 @@ from torch import Tensor
 # float64 math, dtype of the result, metrics); models.advantages is left unchanged.
 from models.advantage_core import _constant_per_traj, _group_stats, _Layout, _layout, _penalized, _row_result
 from models.advantages import ADVANTAGES, AdvantageConfig, AdvantageResult, StepBatch
+from models.config import SKILL_ADVANTAGES  # noqa: F401 - re-exported: the estimators that need a SkillStepBatch
 from models.outcome_advantages import grpo_scores
-
-SKILL_ADVANTAGES: tuple[str, ...] = ("d2skill", "skillc")
-"""Estimators that read per-row skill flags: give them a SkillStepBatch."""
 
 
 class SkillStepBatch(NamedTuple):

@@ -18,7 +18,6 @@ from typing import Any
 
 import yaml
 
-import models.skill_advantages  # noqa: F401  (registers the skill-credit estimators in ADVANTAGES)
 from envs.base import ENVS
 from models.checks import ConfigValueError
 from tasks.sections import SECTIONS, Params  # noqa: F401 - Params: part of the config API (from tasks.config)

@@ -1,8 +1,9 @@
 """The sections of params.yaml: one frozen dataclass per concern, composed of the config dataclasses the library
 code itself takes (``train.loss`` is ``models.losses.LossConfig``, ``train.advantage`` is
-``models.advantages.AdvantageConfig``, ...). Every field is documented once, under it, in the class beside the code
-it configures. The defaults here are the embedded default pipeline, and ``params.yaml`` spells all of them out (a
-test keeps the two equal). Loading and checking is tasks/config.py.
+``models.advantages.AdvantageConfig``, ...). Every field is documented once, under it, in its class: beside the code
+it configures, or for models/ in the torch-free models/config.py, so that loading params.yaml imports no torch. The
+defaults here are the embedded default pipeline, and ``params.yaml`` spells all of them out (a test keeps the two
+equal). Loading and checking is tasks/config.py.
 """
 from __future__ import annotations
 
@@ -15,18 +16,10 @@ from agents.config import HarnessConfig
 from datapool.filters import FilterConfig
 from datapool.quality import GateConfig
 from envs.base import ENVS
-from models.advantages import AdvantageConfig
-from models.aux_losses import AuxConfig
-from models.batching import UpdateConfig
-from models.build import TinyModelConfig
 from models.checks import ConfigValueError, check_choice, check_config
-from models.ds_engine import OptimizerConfig
+from models.config import (PACKAGED_MODELS, AdapterConfig, AdvantageConfig, AuxConfig, EngineConfig,
+                           InternalizeConfig, LossConfig, OptimizerConfig, TinyModelConfig, UpdateConfig)
 from models.engine import SamplingParams
-from models.gguf import PACKAGED_MODELS
-from models.internalize import InternalizeConfig
-from models.losses import LossConfig
-from models.reference import AdapterConfig
-from models.served_engine import EngineConfig
 from skills.embeddings import EMBEDDERS
 from skills.lifecycle import PruneConfig
 from skills.llm_miner import LLMMinerConfig

@@ -63,3 +63,24 @@ def test_the_cli_imports_no_heavy_package_until_a_command_needs_it():
                           cwd=Path(__file__).resolve().parents[2])
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]", done.stdout
+
+
+def test_check_params_imports_no_torch_dvc_prefect_or_mlflow():
+    """Issue 15: `check-params` took 9-10 s; it reads params.yaml and checks dvc.yaml against it and the stages'
+    imports, which needs the stages' names and modules (flows/stage_order.py), not the modules themselves."""
+    heavy = ["torch", "transformers", "deepspeed", "great_expectations", "prefect", "mlflow", "dvc.repo"]
+    probe = ("import sys\nfrom typer.testing import CliRunner\nfrom flows.cli import app\n"
+             f"done = CliRunner().invoke(app, ['check-params', '--root', {str(REPO)!r}])\n"
+             "assert done.exit_code == 0 and 'pipeline:' in done.output, done.output\n"
+             f"print([m for m in {heavy!r} if m in sys.modules])")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines()[-1] == "[]", done.stdout
+
+
+def test_the_stage_order_names_the_modules_the_stage_table_runs():
+    from flows.stage_order import STAGES, stage_module
+    from flows.stages import STAGE_FUNCTIONS
+
+    assert tuple(STAGE_FUNCTIONS) == STAGES
+    assert {stage: fn.__module__ for stage, fn in STAGE_FUNCTIONS.items()} == {s: stage_module(s) for s in STAGES}

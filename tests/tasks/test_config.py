@@ -15,7 +15,12 @@ from typer.testing import CliRunner
 
 from flows.cli import app
 from flows.dvc_sync import render_dvc_yaml
-from models.losses import LossConfig
+from models.advantages import ADVANTAGES, AdvantageConfig
+from models.aux_losses import AUX_LOSSES
+from models.build import ARCHITECTURES
+from models.config import TINY_ARCHITECTURES
+from models.losses import LOSSES, LossConfig
+from models.registry import Registry
 from tasks.config import Params, ParamsError, load_params, params_to_dict, params_to_yaml, parse_params, read_yaml
 from tasks.layout import Layout
 
@@ -64,7 +69,7 @@ def test_library_configs_are_the_sections():
     params = parse_params({"train": {"loss": {"clip_high": 0.3}}})
     assert isinstance(params.train.loss, LossConfig) and params.train.loss.clip_high == 0.3
     paths = config_classes()
-    assert paths["train.advantage"].__module__ == "models.advantages"
+    assert paths["train.advantage"] is AdvantageConfig  # defined torch-free in models/config.py, re-exported there
     assert paths["train.filters"].__module__ == "datapool.filters"
     assert paths["skills.retrieval"].__module__ == "skills.retrieval"
     assert paths["rollout.sampling"].__module__ == "models.engine"
@@ -195,3 +200,42 @@ def test_cli_exits_2_before_writing_anything(tmp_path):
     assert result.returncode == 2
     assert "train.update.micro_batch_size = 0" in result.stderr and "Traceback" not in result.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == before
+
+
+def test_loading_and_printing_params_imports_no_torch():
+    """`arlflow check-params` took 9-10 s: the sections' dataclasses lived in the torch modules they configure, so
+    reading params.yaml imported torch and transformers. Registry names (a skill estimator, a loss, an aux loss)
+    are checked against the names the registries declare, without importing their functions' modules."""
+    heavy = ["torch", "transformers", "tokenizers", "deepspeed", "peft", "great_expectations", "prefect", "mlflow"]
+    probe = ("import sys\n"
+             "from tasks.config import Params, load_params, params_to_yaml, parse_params\n"
+             "params_to_yaml(load_params('params.yaml')); params_to_yaml(Params())\n"
+             "parse_params({'train': {'advantage': 'skillc', 'loss': 'vanilla_pg', 'layout': 'concatenated',"
+             " 'aux': {'names': ['echo', 'seal']}}})\n"
+             f"print([m for m in {heavy!r} if m in sys.modules])")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]", done.stdout
+
+
+@pytest.mark.parametrize("registry", [ADVANTAGES, LOSSES, AUX_LOSSES], ids=lambda r: r.kind)
+def test_each_module_registers_exactly_the_names_declared_for_it(registry):
+    """params.yaml is checked against the declared names (models/config.py); a function registered in models/ but
+    not declared, or declared but registered elsewhere, would make the check and the lookup disagree."""
+    import models.skill_advantages  # noqa: F401  (registers skillc and d2skill)
+
+    assert registry.names() == sorted(registry.builtin)
+    assert {name: registry[name].__module__ for name in registry.builtin} == registry.builtin
+
+
+def test_a_declared_name_is_valid_before_its_module_registers_it():
+    registry = Registry("square", builtin={"models.squares": ("plain",)})
+    assert "plain" in registry and "cube" not in registry and registry.names() == ["plain"]
+    with pytest.raises(KeyError, match="square 'plain' is registered by models.squares: import it"):
+        registry["plain"]
+    registry.register("plain")(lambda x: x * x)
+    assert registry["plain"](3) == 9
+
+
+def test_the_declared_tiny_architectures_are_those_build_model_makes():
+    assert TINY_ARCHITECTURES == tuple(sorted(ARCHITECTURES))
