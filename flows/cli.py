@@ -143,6 +143,17 @@ def convert_model(name: str = typer.Argument(..., help="a packaged model, e.g. s
     typer.echo(f"wrote {path}")
 
 
+@app.command("relocate-mlflow")
+def relocate_mlflow(root: Path = typer.Option(Path("."), help="project root (holds mlflow.db)")) -> None:
+    """Re-root the project's MLflow store after the project folder moved or was copied (stages do it when they open
+    the store; run it before `mlflow ui` on a moved project)."""
+    from tasks.tracking import relocate_store
+
+    layout = Layout(root.resolve())
+    old = relocate_store(layout) if layout.mlflow_db.exists() else None
+    typer.echo(f"re-rooted {layout.mlflow_db}: {old} -> {layout.root}" if old else f"{layout.mlflow_db}: nothing to do")
+
+
 @app.command("check-params")
 def check_params(root: Path = typer.Option(Path("."), help="project root (holds params.yaml and dvc.yaml)"),
                  defaults: bool = typer.Option(False, "--defaults", help="print the default config instead")) -> None:

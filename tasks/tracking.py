@@ -1,7 +1,8 @@
 """MLflow tracking: one parent run per pipeline run, one nested run per stage (tags: stage, round).
 
-The store defaults to SQLite under the project (mlflow.db) with a local artifact folder; MLFLOW_TRACKING_URI
-overrides it (e.g. a tracking server with S3 artifacts).
+The store defaults to SQLite under the project (mlflow.db) with artifacts in mlartifacts/, re-rooted when the project
+folder moved (relocate_store); MLFLOW_TRACKING_URI overrides it, e.g. a tracking server (infra/mlflow-server.sh) that
+keeps artifacts in S3 and proxies them, so clients need no storage keys.
 Under `arlflow pipeline` the parent run is opened by the first stage that runs (an invocation that runs nothing
 leaves no run). Under `dvc repro` every stage is its own process: they share one parent run per `dvc repro`
 invocation (found by the dvc process that launched them).
@@ -20,11 +21,12 @@ import logging
 import math
 import os
 import re
+import sqlite3
 import subprocess
 import time
 import uuid
 from collections.abc import Iterator, Mapping
-from contextlib import contextmanager, nullcontext
+from contextlib import closing, contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,6 +38,8 @@ from mlflow.data.sources import LocalArtifactDatasetSource
 from mlflow.entities import Metric
 from mlflow.environment_variables import MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL
 from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
+from mlflow.utils.file_utils import local_file_uri_to_path
+from sqlalchemy.engine import make_url
 
 from datapool.store import masked_url
 from tasks.config import Params, params_to_dict
@@ -92,26 +96,84 @@ equal to it is ours, not the user's (another project configured in the same proc
 
 
 def configure(layout: Layout, experiment: str) -> str:
-    """Point MLflow at the project's store (unless MLFLOW_TRACKING_URI is set) and select the experiment. The
-    project's experiment keeps its artifacts in mlartifacts/ (MLflow's default is ./mlruns under the working
-    directory); set_tracking_uri exports MLFLOW_TRACKING_URI, so the store is told apart by its URI, not by that."""
+    """Point MLflow at the project's store (unless MLFLOW_TRACKING_URI is set), select the experiment, return the
+    store's URI. A new experiment's artifacts go where its store finds them from any working directory (MLflow's
+    default is ./mlruns of the working directory): a SQLite store's into mlartifacts/ beside its file (the project
+    store's into the project's mlartifacts/, re-rooted by relocate_store once the project moved); a tracking server
+    picks its own (mlflow-artifacts:/, proxied to its --artifacts-destination), as does any other store.
+    set_tracking_uri exports MLFLOW_TRACKING_URI, so the project store is told apart by its URI, not by that."""
     global _exported_uri
     exported = os.environ.get("MLFLOW_TRACKING_URI")
     chosen_by_user = exported if exported and exported != _exported_uri else None
     uri = chosen_by_user or layout.mlflow_uri
-    project_store = uri == layout.mlflow_uri
+    database = _sqlite_file(uri)
+    project_store = database == layout.mlflow_db.resolve()
     if project_store:
         create_sqlite_store(layout.mlflow_db, layout.mlflow_artifacts.absolute().as_uri())
+        relocate_store(layout)
     mlflow.set_tracking_uri(uri)
     if chosen_by_user is None:
         _exported_uri = uri
     if mlflow.get_experiment_by_name(experiment) is None:
-        location = layout.mlflow_artifacts.absolute().as_uri() if project_store else None
-        mlflow.create_experiment(experiment, artifact_location=location)
+        folder = layout.mlflow_artifacts.absolute() if project_store else database and database.with_name("mlartifacts")
+        mlflow.create_experiment(experiment, artifact_location=folder.as_uri() if folder else None)
     chosen = mlflow.set_experiment(experiment)
     if EXPERIMENT_KIND_TAG not in chosen.tags:  # new, or made before this tag (a kind chosen in the UI is kept)
         mlflow.MlflowClient().set_experiment_tag(chosen.experiment_id, EXPERIMENT_KIND_TAG, EXPERIMENT_KIND)
     return uri
+
+
+def _sqlite_file(uri: str) -> Path | None:
+    """The database file of a SQLite store URI, resolved as SQLAlchemy opens it (against the working directory);
+    None for any other store and an in-memory one."""
+    database = make_url(uri).database if uri.startswith("sqlite:") else None
+    return Path(database).resolve() if database and database != ":memory:" else None
+
+
+# MLflow 3's columns holding an artifact location (a file: URI in a local store)
+ARTIFACT_LOCATION_COLUMNS = (("experiments", "artifact_location"), ("runs", "artifact_uri"),
+                             ("logged_models", "artifact_location"), ("model_versions", "source"),
+                             ("model_versions", "storage_location"))
+
+
+def relocate_store(layout: Layout) -> Path | None:
+    """Re-root the project store after the project folder was moved or copied; return the old root (None when the
+    store is where it was made). MLflow keeps every location absolute: a SQL store resolves a relative artifact
+    location against the working directory as it creates the experiment (``resolve_uri_if_local``), runs and
+    logged models derive theirs from it, and a relative one would be read against the opener's working directory,
+    not the project. The store's Default experiment records where the store was made (create_sqlite_store put it
+    at mlartifacts/0); when that is not this project's mlartifacts/, every artifact location and every local
+    dataset source under the old root moves to the new one, in one transaction."""
+    expected = f"{layout.mlflow_artifacts.absolute().as_uri()}/0"
+    with closing(sqlite3.connect(layout.mlflow_db, timeout=60, isolation_level=None)) as db:
+        if _moved_from(db, expected) is None:
+            return None
+        db.execute("BEGIN IMMEDIATE")  # concurrent stages: the first re-roots, the others then find it done
+        recorded = _moved_from(db, expected)
+        if recorded is None:
+            db.execute("ROLLBACK")
+            return None
+        old_uri, new_uri = recorded.removesuffix("mlartifacts/0"), f"{layout.root.absolute().as_uri()}/"
+        for table, column in ARTIFACT_LOCATION_COLUMNS:
+            db.execute(f"UPDATE {table} SET {column} = ? || substr({column}, ?) WHERE substr({column}, 1, ?) = ?",
+                       (new_uri, len(old_uri) + 1, len(old_uri), old_uri))
+        old_root = Path(local_file_uri_to_path(old_uri))
+        for dataset, text in db.execute("SELECT dataset_uuid, dataset_source FROM datasets "
+                                        "WHERE dataset_source_type = 'local'").fetchall():
+            source = json.loads(text)
+            if Path(source.get("uri", "")).is_relative_to(old_root):
+                source["uri"] = str(layout.root.absolute() / Path(source["uri"]).relative_to(old_root))
+                db.execute("UPDATE datasets SET dataset_source = ? WHERE dataset_uuid = ?",
+                           (json.dumps(source), dataset))
+        db.execute("COMMIT")
+    return old_root
+
+
+def _moved_from(db: sqlite3.Connection, expected: str) -> str | None:
+    """The Default experiment's location when the store was made by create_sqlite_store elsewhere, else None."""
+    row = db.execute("SELECT artifact_location FROM experiments WHERE experiment_id = 0").fetchone()
+    recorded = row[0] if row else None
+    return recorded if recorded and recorded != expected and recorded.endswith("/mlartifacts/0") else None
 
 
 def flat_params(params: Params) -> dict[str, Any]:

@@ -203,7 +203,7 @@ def run(params: Params, layout: Layout, round_index: int) -> dict[str, Any]:
         saved, saved_tokenizer = load_policy(out.path(target))
         log_metrics(metrics)
         version = register_policy(saved, saved_tokenizer, params.pipeline.registered_model,
-                                  tags={"round": str(round_index), "policy_path": str(target)})
+                                  tags={"round": str(round_index), "policy_path": target.relative_to(layout.root).as_posix()})
         if version is not None:
             metrics["registered_version"] = int(version)
         write_json(out.path(metrics_path), metrics)
