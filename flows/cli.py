@@ -10,6 +10,7 @@ import typer
 
 from flows.gateway_cli import gateway_app
 from flows.pool_cli import pool_app
+from flows.remote_cli import remote_app
 from tasks.layout import Layout
 
 # The pipeline and its stages import torch, DeepSpeed, transformers, great-expectations and every env (10-20 s on
@@ -19,6 +20,7 @@ from tasks.layout import Layout
 app = typer.Typer(help="arlflow: train multi-turn LLM agents with RL, as a versioned, tracked pipeline.",
                   no_args_is_help=True, pretty_exceptions_enable=False)
 app.add_typer(pool_app, name="pool")
+app.add_typer(remote_app, name="remote")
 app.add_typer(gateway_app, name="gateway")
 
 

@@ -7,6 +7,8 @@ from typing import List, Optional
 
 import typer
 
+from tasks.layout import Layout
+
 
 gateway_app = typer.Typer(help="The OpenAI-compatible gateway in front of the data pool.", no_args_is_help=True,
                           pretty_exceptions_enable=False)
@@ -23,7 +25,10 @@ def serve(
                                                       "only its tokenizer when --upstream is given"),
     host: str = typer.Option("127.0.0.1", help="interface to listen on (0.0.0.0 exposes it: use API keys)"),
     port: int = typer.Option(8000, help="TCP port"),
-    pool_url: str = typer.Option("sqlite:///data/pool.db", "--pool-url", help="data pool SQLAlchemy URL"),
+    pool_url: Optional[str] = typer.Option(None, "--pool-url", help="data pool SQLAlchemy URL (default: the "
+                                                                    "workspace's, sqlite:///data/pool.db)"),
+    experiment: Optional[str] = typer.Option(None, "--experiment", help="the pool of this DVC experiment instead "
+                                             "(NAME or NAME@BASELINE, as in data/pools/; `dvc exp run` writes there)"),
     api_key: Optional[List[str]] = typer.Option(None, "--api-key", help="accepted bearer key (repeatable); also "
                                                                       "ARLFLOW_GATEWAY_API_KEYS (comma-separated)"),
     allow_no_auth: bool = typer.Option(False, "--allow-no-auth", help="local development: serve without keys"),
@@ -47,6 +52,10 @@ def serve(
 
     keys = list(api_key or []) + [k for k in os.environ.get("ARLFLOW_GATEWAY_API_KEYS", "").split(",") if k]
     try:
+        if pool_url and experiment:
+            raise ValueError("pass --pool-url or --experiment, not both")
+        pool_url = (f"sqlite:///{Layout(Path.cwd()).find_experiment_pool(experiment)}" if experiment
+                    else pool_url or "sqlite:///data/pool.db")
         config = GatewayConfig(api_keys=tuple(keys), allow_no_auth=allow_no_auth, max_body_bytes=max_body_bytes,
                                model_name=model_name, policy_version=policy_version or policy.name,
                                default_max_tokens=default_max_tokens, max_prompt_chars=max_prompt_chars)

@@ -1,7 +1,10 @@
 """`arlflow pool ls | show | export | import | stats`: look into the data pool, move steps in and out as Parquet.
 
 Every command takes ``--url`` (a SQLAlchemy URL or a SQLite file path; default ``sqlite:///data/pool.db`` under the
-current folder). Reading commands refuse a SQLite file that does not exist rather than create an empty pool.
+current folder) or ``--experiment NAME`` (that DVC experiment's pool, data/pools/NAME@BASELINE.db). Reading commands refuse a SQLite file that does not exist rather than create an empty pool.
+export and import also take ``s3://BUCKET/KEY.parquet`` (credentials from the environment, the endpoint from
+``--endpoint`` or AWS_ENDPOINT_URL; see flows.remote_cli): an export is uploaded as one object once the file is
+complete, an import downloads the object before the pool is opened, so a refused request writes nothing.
 """
 from __future__ import annotations
 
@@ -16,9 +19,14 @@ from sqlalchemy.engine import make_url
 from datapool.parquet import import_steps
 from datapool.records import StepRecord
 from datapool.store import DataPool
+from tasks.layout import Layout
+from flows.remote_cli import ENDPOINT_HELP, S3Error, local_source, local_target
 
 DEFAULT_URL = "sqlite:///data/pool.db"
 URL_OPTION = typer.Option(DEFAULT_URL, "--url", help="data pool: SQLAlchemy URL or SQLite file path")
+ENDPOINT_OPTION = typer.Option(None, "--endpoint", help=ENDPOINT_HELP + "; for s3:// paths")
+EXPERIMENT_OPTION = typer.Option(None, "--experiment", help="the pool of this DVC experiment (NAME or NAME@BASELINE, "
+                                                            "in data/pools/) instead of --url")
 
 pool_app = typer.Typer(help="Inspect and curate the data pool; export and import steps as Parquet.",
                        no_args_is_help=True, pretty_exceptions_enable=False)
@@ -29,7 +37,14 @@ def _fail(message: str, code: int = 2) -> typer.Exit:
     return typer.Exit(code)
 
 
-def _open(url: str, *, create: bool = False) -> DataPool:
+def _open(url: str, *, create: bool = False, experiment: str | None = None) -> DataPool:
+    if experiment:
+        if url != DEFAULT_URL:
+            raise _fail("pass --url or --experiment, not both")
+        try:
+            url = str(Layout(Path.cwd()).find_experiment_pool(experiment))
+        except ValueError as err:
+            raise _fail(str(err)) from err
     full = url if "://" in url else f"sqlite:///{url}"
     parsed = make_url(full)
     if (not create and parsed.get_backend_name() == "sqlite" and parsed.database
@@ -63,7 +78,7 @@ def _step_flags(step: StepRecord, excluded: bool) -> str:
 
 
 @pool_app.command("ls")
-def ls(url: str = URL_OPTION,
+def ls(url: str = URL_OPTION, experiment: Optional[str] = EXPERIMENT_OPTION,
        env: Optional[str] = typer.Option(None, help="only this env"),
        round: Optional[int] = typer.Option(None, "--round", help="only this round"),
        policy_version: Optional[str] = typer.Option(None, help="only this policy version"),
@@ -78,7 +93,7 @@ def ls(url: str = URL_OPTION,
        offset: int = typer.Option(0, help="rows to skip"),
        as_json: bool = typer.Option(False, "--json", help="print JSON instead of a table")) -> None:
     """List trajectories, newest first."""
-    with _open(url) as pool:
+    with _open(url, experiment=experiment) as pool:
         try:
             rows = pool.query_trajectories(env=env, round=round, policy_version=policy_version, status=status,
                                            min_return=min_return, max_return=max_return, label=label,
@@ -103,9 +118,10 @@ def ls(url: str = URL_OPTION,
 
 @pool_app.command("show")
 def show(trajectory_id: str = typer.Argument(..., help="the trajectory to show"), url: str = URL_OPTION,
+         experiment: Optional[str] = EXPERIMENT_OPTION,
          as_json: bool = typer.Option(False, "--json", help="print the record (with steps) as JSON")) -> None:
     """Show one trajectory and its steps: index, action/response, reward, tokens, flags, labels."""
-    with _open(url) as pool:
+    with _open(url, experiment=experiment) as pool:
         try:
             traj = pool.get_trajectory(trajectory_id)
             curation = pool.curation_of(trajectory_id)
@@ -134,31 +150,40 @@ def show(trajectory_id: str = typer.Argument(..., help="the trajectory to show")
 
 
 @pool_app.command("export")
-def export(path: Path = typer.Argument(..., help="Parquet file to write"), url: str = URL_OPTION,
+def export(path: str = typer.Argument(..., help="Parquet file to write: a path or s3://BUCKET/KEY.parquet"),
+           url: str = URL_OPTION, experiment: Optional[str] = EXPERIMENT_OPTION,
            round: Optional[int] = typer.Option(None, "--round", help="only this round"),
            env: Optional[str] = typer.Option(None, help="only this env"),
            drop_excluded: bool = typer.Option(False, "--drop-excluded",
-                                              help="leave out excluded steps (default: keep them, flagged)")) -> None:
-    """Export steps (with their trajectory fields and flags) to a Parquet file."""
-    with _open(url) as pool:
-        rows = pool.export(path, round=round, env=env, include_excluded=not drop_excluded)
+                                              help="leave out excluded steps (default: keep them, flagged)"),
+           endpoint: Optional[str] = ENDPOINT_OPTION) -> None:
+    """Export steps (with their trajectory fields and flags) to a Parquet file, local or on S3."""
+    try:
+        with _open(url, experiment=experiment) as pool, local_target(path, endpoint) as local:
+            rows = pool.export(local, round=round, env=env, include_excluded=not drop_excluded)
+    except S3Error as err:
+        raise _fail(f"nothing written: {err}") from err
     typer.echo(f"wrote {rows} steps to {path}")
 
 
 @pool_app.command("import")
-def import_(path: Path = typer.Argument(..., help="Parquet steps file (arlflow pool export / a round's steps)"),
-            url: str = URL_OPTION) -> None:
-    """Import a steps file into the pool (trajectories already there are skipped)."""
-    with _open(url, create=True) as pool:
-        try:
-            added = import_steps(path, pool)
-        except ValueError as err:
-            raise _fail(str(err)) from err
+def import_(path: str = typer.Argument(..., help="Parquet steps file (arlflow pool export / a round's steps): a "
+                                               "path or s3://BUCKET/KEY.parquet"),
+            url: str = URL_OPTION, experiment: Optional[str] = EXPERIMENT_OPTION,
+            endpoint: Optional[str] = ENDPOINT_OPTION) -> None:
+    """Import a steps file, local or on S3, into the pool (trajectories already there are skipped)."""
+    try:
+        with local_source(path, endpoint) as local, _open(url, create=True, experiment=experiment) as pool:
+            added = import_steps(local, pool)
+    except S3Error as err:
+        raise _fail(f"nothing imported: {err}") from err
+    except ValueError as err:
+        raise _fail(str(err)) from err
     typer.echo(f"imported {added} new trajectories from {path}")
 
 
 @pool_app.command("stats")
-def stats(url: str = URL_OPTION) -> None:
+def stats(url: str = URL_OPTION, experiment: Optional[str] = EXPERIMENT_OPTION) -> None:
     """Counts by status, env and round; steps; exclusions, labels, flagged and retokenized steps (JSON)."""
-    with _open(url) as pool:
+    with _open(url, experiment=experiment) as pool:
         typer.echo(json.dumps(pool.stats(), indent=1, sort_keys=True))

@@ -13,12 +13,14 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pandas as pd
+from sqlalchemy.engine import make_url
 
 from datapool.curation import CURATION_FRAME_COLUMNS
 from datapool.store import DataPool
+from datapool.writability import sqlite_file
 from tasks.common import write_json
 from tasks.config import Params
-from tasks.layout import Layout
+from tasks.layout import Layout, stage_pool_url
 from tasks.outputs import staged_outputs
 
 CURATION_SCHEMA = pa.schema([pa.field("trajectory_id", pa.string()), pa.field("step_index", pa.int64()),
@@ -28,7 +30,9 @@ assert tuple(CURATION_SCHEMA.names) == CURATION_FRAME_COLUMNS
 
 
 def pool_url(params: Params, layout: Layout) -> str:
-    return params.rollout.pool_url or layout.pool_url
+    """The pool this run reads curation from: rollout.pool_url, the workspace's, or its experiment's
+    (tasks.layout.stage_pool_url)."""
+    return stage_pool_url(layout, params.rollout.pool_url, writes=False)
 
 
 def write_curation(frame: pd.DataFrame, path: Path) -> Path:
@@ -55,9 +59,9 @@ def read_curation(path: Path) -> pd.DataFrame:
 def run(params: Params, layout: Layout) -> dict[str, Any]:
     url = pool_url(params, layout)
     rounds = range(1, params.pipeline.rounds + 1)
-    sqlite_file = layout.root / "data" / "pool.db" if not params.rollout.pool_url else None
+    file = sqlite_file(make_url(url))
     frames: dict[int, pd.DataFrame] = {}
-    if sqlite_file is not None and not sqlite_file.exists():  # no rollout yet: nothing curated (no pool created)
+    if file is not None and not file.exists():  # no rollout yet: nothing curated (no pool created)
         frames = {r: pd.DataFrame(columns=list(CURATION_FRAME_COLUMNS)) for r in rounds}
     else:
         with DataPool(url) as pool:

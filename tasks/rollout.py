@@ -19,7 +19,7 @@ from tasks.common import (episode_options, read_scenarios, seed_everything, skil
 from tasks.skill_trials import trial_frame, write_trials
 from tasks.config import Params, params_to_dict
 from tasks.engines import open_engine
-from tasks.layout import Layout, require
+from tasks.layout import Layout, require, stage_pool_url
 from tasks.outputs import staged_outputs
 
 
@@ -95,7 +95,8 @@ def run(params: Params, layout: Layout, round_index: int) -> dict[str, Any]:
     bank = (load_round_bank(require(layout.skills(round_index - 1),
                                     "warmstart" if round_index == 1 else f"mine_{round_index - 1}"))
             if cfg.use_skills else RoundBank())
-    open_checked_pool(cfg.pool_url or layout.pool_url).close()
+    pool_url = stage_pool_url(layout, cfg.pool_url)  # inside `dvc exp run`: the experiment's own pool
+    open_checked_pool(pool_url).close()
     program = skill_program(bank, params)
     sampling = replace(cfg.sampling, seed=seed)
 
@@ -133,7 +134,7 @@ def run(params: Params, layout: Layout, round_index: int) -> dict[str, Any]:
                            "outputs were left as they are")
     trials = trial_frame(trajectories, program)
 
-    with open_checked_pool(cfg.pool_url or layout.pool_url) as pool:
+    with open_checked_pool(pool_url) as pool:
         pool.add_trajectories(trajectories)
         frame = pool.steps_frame(round=round_index)
     frame = frame[frame["trajectory_id"].str.startswith(f"{attempt}/")]

@@ -133,7 +133,9 @@ class RolloutConfig:
     use_skills: bool = True
     """Put the skills retrieved from the previous round's bank in the prompt's skill slot."""
     pool_url: str = ""
-    """SQLAlchemy URL of the data pool; empty = sqlite under data/pool.db (WAL)."""
+    """SQLAlchemy URL of the data pool; empty = sqlite under data/pool.db (WAL), or inside `dvc exp run` the
+    experiment's data/pools/NAME@BASELINE.db (tasks.layout.stage_pool_url). A URL set here is used by the baseline
+    and every experiment alike."""
 
     def __post_init__(self) -> None:
         check_config(self, scenarios_per_round="positive", max_generation_batches="positive")

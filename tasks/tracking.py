@@ -43,7 +43,7 @@ from sqlalchemy.engine import make_url
 
 from datapool.store import masked_url
 from tasks.config import Params, params_to_dict
-from tasks.layout import Layout
+from tasks.layout import Layout, workspace_root
 
 PARENT_ENV = "ARLFLOW_MLFLOW_PARENT_RUN_ID"
 SESSION_ENV = "ARLFLOW_MLFLOW_SESSION"
@@ -101,8 +101,11 @@ def configure(layout: Layout, experiment: str) -> str:
     default is ./mlruns of the working directory): a SQLite store's into mlartifacts/ beside its file (the project
     store's into the project's mlartifacts/, re-rooted by relocate_store once the project moved); a tracking server
     picks its own (mlflow-artifacts:/, proxied to its --artifacts-destination), as does any other store.
-    set_tracking_uri exports MLFLOW_TRACKING_URI, so the project store is told apart by its URI, not by that."""
+    set_tracking_uri exports MLFLOW_TRACKING_URI, so the project store is told apart by its URI, not by that.
+    `dvc exp run --temp` and queued experiments run in a copy of the repository that DVC deletes afterwards: their
+    runs go to the workspace's store (tasks.layout.workspace_root), as their data pools do."""
     global _exported_uri
+    layout = Layout(workspace_root(layout.root, os.environ))
     exported = os.environ.get("MLFLOW_TRACKING_URI")
     chosen_by_user = exported if exported and exported != _exported_uri else None
     uri = chosen_by_user or layout.mlflow_uri

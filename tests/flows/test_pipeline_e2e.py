@@ -1,10 +1,15 @@
-"""End to end: the pipeline flow on a tiny config, under a Prefect test server, with real DVC, MLflow, DeepSpeed, GX."""
+"""End to end: the pipeline flow on a tiny config, under a Prefect test server, with real DVC, MLflow, DeepSpeed, GX;
+and the finished run shared through an S3 remote (SeaweedFS) into a fresh clone that reproduces it. The pipeline
+runs once for the module (~200 s): `finished` is its project."""
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
+from typing import Iterator
 
 import mlflow
 import pytest
@@ -37,6 +42,7 @@ def make_project(root: Path, raw: dict) -> Layout:
     for name in CODE:
         shutil.copytree(REPO / name, root / name, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
     shutil.copytree(REPO / "infra", root / "infra")
+    shutil.copy(REPO / ".gitignore", root / ".gitignore")  # git holds code, params and dvc.lock; DVC the rest
     # DVC tracks whole sections, so the file holds every key (defaults filled in), as the repo's params.yaml does
     (root / "params.yaml").write_text(yaml.safe_dump(params_to_dict(parse_params(raw)), sort_keys=False))
     layout = Layout(root)
@@ -51,13 +57,85 @@ def weights(path: Path) -> dict:
     return load_file(str(path / "model.safetensors"))
 
 
-@pytest.mark.slow
-def test_pipeline_flow_end_to_end(tmp_path, prefect_harness, monkeypatch):
+def stage_env(**extra: str) -> dict[str, str]:
+    """The environment for `dvc repro` / `arlflow stage` subprocesses: the venv's tools on PATH, and none of this
+    test process's Prefect server or torch.distributed group (it already holds MASTER_PORT)."""
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}", **extra}
+    for inherited in ("PREFECT_API_URL", "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(inherited, None)
+    return env
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory, prefect_harness) -> Iterator[tuple[Layout, dict]]:
+    """The tiny pipeline, run once: its project and the flow's result."""
     from flows.pipeline import pipeline_flow
 
-    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    layout = make_project(tmp_path, TINY)
-    result = pipeline_flow(root=str(tmp_path))
+    root = tmp_path_factory.mktemp("pipeline")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.delenv("MLFLOW_TRACKING_URI", raising=False)
+        layout = make_project(root, TINY)
+        yield layout, pipeline_flow(root=str(root))
+
+
+@pytest.mark.slow
+def test_a_finished_run_pushed_to_s3_reproduces_in_a_fresh_clone(finished, s3_server, s3_bucket, tmp_path_factory):
+    """`arlflow remote add` + push of the run to SeaweedFS, `git clone` + pull elsewhere: the clone is in sync with
+    the remote, `dvc repro` reruns only the always-changed curate, whose snapshots come out the same (the data
+    pool is not in DVC and not in the clone; the run curated nothing), and evaluate on the pulled policies gives the
+    run's held-out numbers. Evaluate needs nothing outside DVC: MLflow starts an empty store in the clone."""
+    layout, _ = finished
+    root = layout.root
+    aws = {k: v for k, v in s3_server.env().items() if k.startswith("AWS_")}
+    env = stage_env(DVC_NO_ANALYTICS="1", **aws)
+    env.pop("MLFLOW_TRACKING_URI", None)  # the pipeline in this process exported the original's store
+
+    def run(cwd: Path, *args: str) -> subprocess.CompletedProcess:
+        done = subprocess.run(list(args), cwd=cwd, env=env, capture_output=True, text=True, timeout=900)
+        assert done.returncode == 0, f"{args}: {done.stdout[-3000:]}{done.stderr[-3000:]}"
+        return done
+
+    remote = [sys.executable, "-m", "flows.remote_cli"]
+    dvc = [str(Path(sys.executable).parent / "dvc")]
+    run(root, *remote, "add", f"s3://{s3_bucket}/runs/tiny", "--endpoint", s3_server.endpoint)
+    started = time.monotonic()
+    run(root, *remote, "push")
+    push_s = time.monotonic() - started
+    objects = [o for page in s3_server.client().get_paginator("list_objects_v2").paginate(Bucket=s3_bucket)
+               for o in page.get("Contents", [])]
+    subprocess.run(["git", "add", "-A"], cwd=root, check=True)
+    subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t.invalid", "commit", "-qm", "tiny run"],
+                   cwd=root, check=True)
+    # beside the original: this test project's dvc.yaml lists the code it runs from (this checkout) as ../ paths,
+    # which resolve the same from there (a user's project is the checkout itself: its code paths move with it)
+    clone = tmp_path_factory.mktemp("clone")
+    subprocess.run(["git", "clone", "-q", str(root), str(clone)], check=True)
+    assert not (clone / "data").exists() and not (clone / "mlflow.db").exists()
+    started = time.monotonic()
+    run(clone, *remote, "pull")
+    pull_s = time.monotonic() - started
+    print(f"\npushed {len(objects)} objects, {sum(o['Size'] for o in objects) / 1e6:.1f} MB in {push_s:.1f} s; "
+          f"pulled in {pull_s:.1f} s")
+
+    assert json.loads(run(clone, *dvc, "status", "-c", "--json").stdout) == {}
+    assert json.loads(run(clone, *dvc, "status", "--json").stdout) == {"curate": ["always changed"]}
+    repro = run(clone, *dvc, "repro")
+    assert re.findall(r"Running stage '(\w+)'", repro.stdout) == ["curate"], repro.stdout[-3000:]
+    assert json.loads(run(clone, *dvc, "status", "--json").stdout) == {"curate": ["always changed"]}
+
+    run(clone, str(Path(sys.executable).parent / "arlflow"), "stage", "evaluate")
+    original = json.loads(layout.evaluate_metrics.read_text())
+    cloned = json.loads((clone / "metrics" / "evaluate.json").read_text())
+    assert cloned["heldout"] == original["heldout"] and cloned["rounds"] == original["rounds"]
+    assert (clone / "metrics" / "summary.json").read_text() == layout.summary_metrics.read_text()
+
+
+@pytest.mark.slow
+def test_pipeline_flow_end_to_end(finished):
+    from flows.pipeline import pipeline_flow
+
+    layout, result = finished
+    root = layout.root
     assert result["skipped"] == []
     assert result["ran"][0] == "bootstrap" and result["ran"][-1] == "transfer"
 
@@ -115,27 +193,25 @@ def test_pipeline_flow_end_to_end(tmp_path, prefect_harness, monkeypatch):
 
     # DVC: everything is recorded; a second run only re-reads the pool's curation (the always-changed stage)
     dvc = str(Path(sys.executable).parent / "dvc")
-    status = subprocess.run([dvc, "status", "--json"], cwd=tmp_path, capture_output=True, text=True)
+    status = subprocess.run([dvc, "status", "--json"], cwd=root, capture_output=True, text=True)
     assert json.loads(status.stdout) == {"curate": ["always changed"]}, status.stdout
-    again = pipeline_flow(root=str(tmp_path))
+    again = pipeline_flow(root=str(root))
     assert again["ran"] == ["curate"]
 
     # a train parameter change makes only train and what depends on it stale; `dvc repro` reruns just those,
     # through `arlflow stage ...` (the same stage functions), under one MLflow parent run for the repro
-    raw = yaml.safe_load((tmp_path / "params.yaml").read_text())
+    raw = yaml.safe_load((root / "params.yaml").read_text())
     raw["train"]["optimizer"]["lr"] = 0.002
-    (tmp_path / "params.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
-    for inherited in ("PREFECT_API_URL", "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(inherited, None)  # this test process already holds a torch.distributed group on MASTER_PORT
-    stale = subprocess.run([dvc, "status", "--json"], cwd=tmp_path, capture_output=True, text=True, env=env)
+    (root / "params.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
+    env = stage_env()
+    stale = subprocess.run([dvc, "status", "--json"], cwd=root, capture_output=True, text=True, env=env)
     assert set(json.loads(stale.stdout)) == {"curate", "train_1"}, stale.stdout  # downstream shows once train's
     # outs change
-    repro = subprocess.run([dvc, "repro"], cwd=tmp_path, capture_output=True, text=True, env=env)
+    repro = subprocess.run([dvc, "repro"], cwd=root, capture_output=True, text=True, env=env)
     assert repro.returncode == 0, repro.stdout[-3000:] + repro.stderr[-3000:]
     assert "Running stage 'train_1'" in repro.stdout and "Running stage 'evaluate'" in repro.stdout
     assert "Running stage 'rollout_1'" not in repro.stdout and "Running stage 'transfer'" not in repro.stdout
-    status = subprocess.run([dvc, "status", "--json"], cwd=tmp_path, capture_output=True, text=True, env=env)
+    status = subprocess.run([dvc, "status", "--json"], cwd=root, capture_output=True, text=True, env=env)
     assert json.loads(status.stdout) == {"curate": ["always changed"]}, status.stdout
     runs = client.search_runs([experiment.experiment_id])
     repro_parent = [r for r in runs if r.info.run_name == "dvc-repro"]
@@ -148,6 +224,6 @@ def test_pipeline_flow_end_to_end(tmp_path, prefect_harness, monkeypatch):
     with DataPool(layout.pool_url) as pool:
         pool.curate(pool.steps_frame(round=1)["trajectory_id"].iloc[0], excluded=True, note="looks wrong")
     from tasks import curate
-    curate.run(parse_params(yaml.safe_load((tmp_path / "params.yaml").read_text())), layout)
-    stale = subprocess.run([dvc, "status", "--json"], cwd=tmp_path, capture_output=True, text=True, env=env)
+    curate.run(parse_params(yaml.safe_load((root / "params.yaml").read_text())), layout)
+    stale = subprocess.run([dvc, "status", "--json"], cwd=root, capture_output=True, text=True, env=env)
     assert {"curate", "validate_1"} <= set(json.loads(stale.stdout)) and "rollout_1" not in stale.stdout
