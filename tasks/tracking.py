@@ -42,6 +42,7 @@ from mlflow.utils.file_utils import local_file_uri_to_path
 from sqlalchemy.engine import make_url
 
 from datapool.store import masked_url
+from datapool.writability import sqlite_file
 from tasks.config import Params, params_to_dict
 from tasks.layout import Layout, workspace_root
 
@@ -129,8 +130,8 @@ def configure(layout: Layout, experiment: str) -> str:
 def _sqlite_file(uri: str) -> Path | None:
     """The database file of a SQLite store URI, resolved as SQLAlchemy opens it (against the working directory);
     None for any other store and an in-memory one."""
-    database = make_url(uri).database if uri.startswith("sqlite:") else None
-    return Path(database).resolve() if database and database != ":memory:" else None
+    file = sqlite_file(make_url(uri)) if uri.startswith("sqlite:") else None
+    return file.resolve() if file else None
 
 
 # MLflow 3's columns holding an artifact location (a file: URI in a local store)
