@@ -13,6 +13,10 @@ from __future__ import annotations
 
 import ast
 import functools
+import hashlib
+import json
+import os
+import tempfile
 import tomllib
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -36,8 +40,15 @@ class LineageError(RuntimeError):
     """The import closure cannot be computed: a missing module, an unparsable file or no package list."""
 
 
-_PARSED: dict[tuple[Path, int, int], tuple[tuple[str, bool], ...]] = {}
-"""(file, mtime_ns, size) -> its imports: a per-process cache, so re-rendering dvc.yaml reparses nothing."""
+IMPORTS_CACHE = Path(".arlflow") / "cache" / "imports.json"
+"""Under the code root: each file's imports by path and content hash, so `check-params` and every stage's dvc.yaml
+check parse only the files that changed since the last run (parsing all of them is most of a second on 2 cores).
+Missing, unreadable or unwritable (a read-only install) means parsing again; a stale entry can never match."""
+
+_PARSED: dict[Path, dict[str, tuple[tuple[str, bool], ...]]] = {}
+"""code root -> {"<relative path>:<sha1 of its bytes>": its imports}: loaded from IMPORTS_CACHE once per process."""
+_FRESH: dict[Path, dict[str, str]] = {}
+"""code root -> {relative path: key} of the files parsed (not found in the cache) by this process."""
 
 
 def project_packages(root: Path = SOURCE_ROOT) -> tuple[str, ...]:
@@ -89,13 +100,15 @@ def _resolve_relative(module: str, is_package: bool, level: int, name: str | Non
 def file_imports(root: Path, path: Path) -> tuple[tuple[str, bool], ...]:
     """Absolute module names a file imports, each with `required`: False for `from x import y`'s `x.y` candidates,
     which are modules only when such a file exists (else y is a name defined in x)."""
-    stat = path.stat()
-    key = (path, stat.st_mtime_ns, stat.st_size)
-    if key in _PARSED:
-        return _PARSED[key]
+    source = path.read_bytes()
+    parsed = _parsed(root)
+    key = f"{path.relative_to(root)}:{hashlib.sha1(source).hexdigest()}"
+    if key in parsed:
+        return parsed[key]
+    _FRESH.setdefault(root, {})[key.rpartition(":")[0]] = key
     module, is_package = _module_name(root, path)
     try:
-        tree = ast.parse(path.read_text(), filename=str(path))
+        tree = ast.parse(source, filename=str(path))
     except SyntaxError as err:
         raise LineageError(f"cannot parse {path} to find its imports: {err}") from err
     found: list[tuple[str, bool]] = []
@@ -106,8 +119,36 @@ def file_imports(root: Path, path: Path) -> tuple[tuple[str, bool], ...]:
         base = _resolve_relative(module, is_package, node.level, node.module, path) if node.level else node.module
         found.append((base, True))
         found += [(f"{base}.{alias.name}", False) for alias in node.names if alias.name != "*"]
-    _PARSED[key] = tuple(found)
-    return _PARSED[key]
+    parsed[key] = tuple(found)
+    return parsed[key]
+
+
+def _parsed(root: Path) -> dict[str, tuple[tuple[str, bool], ...]]:
+    if root not in _PARSED:
+        try:
+            stored = json.loads((root / IMPORTS_CACHE).read_text())
+            _PARSED[root] = {key: tuple((name, bool(required)) for name, required in imports)
+                             for key, imports in stored.items()}
+        except (OSError, ValueError, TypeError, AttributeError):
+            _PARSED[root] = {}
+    return _PARSED[root]
+
+
+def _save_parsed(root: Path) -> None:
+    """Write the cache when this process parsed a file: its new entry replaces the file's older ones."""
+    fresh = _FRESH.pop(root, {})
+    if not fresh:
+        return
+    parsed = _parsed(root)
+    kept = {key: parsed[key] for key in sorted(parsed) if fresh.get(key.rpartition(":")[0], key) == key}
+    path = root / IMPORTS_CACHE
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", dir=path.parent, suffix=".tmp", delete=False) as out:
+            json.dump(kept, out)
+        os.replace(out.name, path)
+    except OSError:
+        return
 
 
 def _module_file(root: Path, name: str) -> Path | None:
@@ -152,6 +193,7 @@ def import_closure(module: str, root: Path = SOURCE_ROOT, packages: tuple[str, .
                 if found not in seen:
                     seen.add(found)
                     queue.append(found)
+    _save_parsed(root)
     return sorted(str(p.relative_to(root)) for p in seen)
 
 

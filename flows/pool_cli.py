@@ -11,16 +11,16 @@ from __future__ import annotations
 import json
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Iterator, Optional
 
 import typer
-from sqlalchemy.engine import make_url
 
-from datapool.parquet import import_steps
-from datapool.records import StepRecord
-from datapool.store import DataPool
 from tasks.layout import Layout
 from flows.remote_cli import ENDPOINT_HELP, S3Error, local_source, local_target
+
+if TYPE_CHECKING:  # SQLAlchemy, pyarrow and the pool load in the commands: `arlflow --help` needs none of them
+    from datapool.records import StepRecord
+    from datapool.store import DataPool
 
 DEFAULT_URL = "sqlite:///data/pool.db"
 URL_OPTION = typer.Option(DEFAULT_URL, "--url", help="data pool: SQLAlchemy URL or SQLite file path")
@@ -45,6 +45,10 @@ def _open(url: str, *, create: bool = False, experiment: str | None = None) -> D
             url = str(Layout(Path.cwd()).find_experiment_pool(experiment))
         except ValueError as err:
             raise _fail(str(err)) from err
+    from sqlalchemy.engine import make_url
+
+    from datapool.store import DataPool
+
     full = url if "://" in url else f"sqlite:///{url}"
     parsed = make_url(full)
     if (not create and parsed.get_backend_name() == "sqlite" and parsed.database
@@ -172,6 +176,8 @@ def import_(path: str = typer.Argument(..., help="Parquet steps file (arlflow po
             url: str = URL_OPTION, experiment: Optional[str] = EXPERIMENT_OPTION,
             endpoint: Optional[str] = ENDPOINT_OPTION) -> None:
     """Import a steps file, local or on S3, into the pool (trajectories already there are skipped)."""
+    from datapool.parquet import import_steps
+
     try:
         with local_source(path, endpoint) as local, _open(url, create=True, experiment=experiment) as pool:
             added = import_steps(local, pool)

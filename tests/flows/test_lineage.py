@@ -17,6 +17,7 @@ import yaml
 from dvc.dependency import param as dvc_param
 from dvc.repo import Repo
 
+from flows import lineage
 from flows.dvc_sync import _in_project, render_dvc_yaml
 from flows.lineage import (DATA_READERS, SOURCE_ROOT, LineageError, code_deps, data_files, import_closure,
                            project_packages)
@@ -101,6 +102,56 @@ def test_an_edited_import_is_seen_by_the_next_closure(tmp_path):
     assert import_closure("pkg.main", tmp_path) == ["pkg/__init__.py", "pkg/main.py"]
     (tmp_path / "pkg/main.py").write_text("import pkg.new  # now imported\n")
     assert "pkg/new.py" in import_closure("pkg.main", tmp_path)
+
+
+def _new_process(monkeypatch) -> None:
+    """Forget the per-process state, as a new `arlflow` command starts without it."""
+    monkeypatch.setattr(lineage, "_PARSED", {})
+    monkeypatch.setattr(lineage, "_FRESH", {})
+
+
+def test_a_second_process_reads_the_imports_from_the_cache_and_parses_only_an_edited_file(tmp_path, monkeypatch):
+    make_tree(tmp_path, {"pkg/__init__.py": "", "pkg/main.py": "import pkg.a\n", "pkg/a.py": "", "pkg/b.py": ""})
+    first = import_closure("pkg.main", tmp_path)
+    assert (tmp_path / lineage.IMPORTS_CACHE).is_file()
+    _new_process(monkeypatch)
+    parsed: list[str] = []
+    real_parse = lineage.ast.parse
+    monkeypatch.setattr(lineage.ast, "parse", lambda source, filename: parsed.append(filename) or
+                        real_parse(source, filename=filename))
+    assert import_closure("pkg.main", tmp_path) == first and parsed == []
+    (tmp_path / "pkg/a.py").write_text("import pkg.b\n")  # same mtime resolution or not: the content decides
+    _new_process(monkeypatch)
+    assert import_closure("pkg.main", tmp_path) == ["pkg/__init__.py", "pkg/a.py", "pkg/b.py", "pkg/main.py"]
+    assert [Path(f).name for f in parsed] == ["a.py", "b.py"]
+    stored = json.loads((tmp_path / lineage.IMPORTS_CACHE).read_text())
+    assert sorted(k.rpartition(":")[0] for k in stored) == ["pkg/__init__.py", "pkg/a.py", "pkg/b.py", "pkg/main.py"]
+
+
+@pytest.mark.parametrize("garbage", ["{not json", "[1, 2]", '{"pkg/main.py:x": 5}', ""])
+def test_a_corrupt_cache_is_ignored_and_rewritten(tmp_path, monkeypatch, garbage):
+    make_tree(tmp_path, {"pkg/__init__.py": "", "pkg/main.py": "import pkg.a\n", "pkg/a.py": ""})
+    (tmp_path / lineage.IMPORTS_CACHE).parent.mkdir(parents=True)
+    (tmp_path / lineage.IMPORTS_CACHE).write_text(garbage)
+    _new_process(monkeypatch)
+    assert import_closure("pkg.main", tmp_path) == ["pkg/__init__.py", "pkg/a.py", "pkg/main.py"]
+    assert len(json.loads((tmp_path / lineage.IMPORTS_CACHE).read_text())) == 3
+
+
+def test_a_cache_entry_under_another_file_content_is_never_used(tmp_path, monkeypatch):
+    """A poisoned entry (right path, wrong hash) must not change the closure."""
+    make_tree(tmp_path, {"pkg/__init__.py": "", "pkg/main.py": "", "pkg/a.py": ""})
+    (tmp_path / lineage.IMPORTS_CACHE).parent.mkdir(parents=True)
+    (tmp_path / lineage.IMPORTS_CACHE).write_text(json.dumps({"pkg/main.py:0000": [["pkg.a", True]]}))
+    _new_process(monkeypatch)
+    assert import_closure("pkg.main", tmp_path) == ["pkg/__init__.py", "pkg/main.py"]
+
+
+def test_an_unwritable_cache_folder_only_costs_the_parse(tmp_path, monkeypatch):
+    make_tree(tmp_path, {"pkg/__init__.py": "", "pkg/main.py": "import pkg.a\n", "pkg/a.py": ""})
+    (tmp_path / ".arlflow").write_text("a file where the cache folder would go")
+    _new_process(monkeypatch)
+    assert import_closure("pkg.main", tmp_path) == ["pkg/__init__.py", "pkg/a.py", "pkg/main.py"]
 
 
 def test_data_files_follow_their_reader_and_a_missing_one_is_an_error(tmp_path):
