@@ -25,10 +25,10 @@ from datapool.schema import to_python
 if TYPE_CHECKING:  # the store imports this module; import_steps only calls the pool it is given
     from datapool.store import DataPool
 
-STEPS_SCHEMA_VERSION = 7
+STEPS_SCHEMA_VERSION = 8
 """Version of STEPS_SCHEMA; files written with a newer one are refused, older ones read (see ADDED_COLUMNS).
 5: plain_prompt_ids, macro_prompt_ids, macro_action_ids (the skill trace) and every column non-nullable; 6:
-action_choices; 7: prefix_break."""
+action_choices; 7: prefix_break; 8: staleness."""
 
 METADATA_KEY = b"arlflow"
 

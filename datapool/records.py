@@ -68,6 +68,9 @@ class StepRecord:
                                 "start with the previous step's prompt_ids + response_ids (a re-sent, edited or "
                                 "re-rendered turn). The rollout loop re-renders by design and never sets it; the "
                                 "concatenated layout re-renders between such turns", since=7, default=False)
+    staleness: int = column("int", "rounds between the policy that sampled the response (policy_version) and the one "
+                            "the round's train stage starts from: min(pipeline.max_staleness, round - 1); 0 = "
+                            "on-policy (synchronous rounds, the gateway)", since=8, default=0)
 
 
 @dataclass

@@ -28,7 +28,7 @@ from sqlalchemy.sql.expression import ColumnElement
 from datapool.records import ROW_TRAJECTORY_FIELDS, STEP_FIELDS, TRAJECTORY_FIELDS, StepRecord, TrajectoryRecord
 from datapool.schema import FieldSpec, spec
 
-SCHEMA_VERSION = 7
+SCHEMA_VERSION = 8
 """Version of the tables below. Adding a column: declare its field with ``since=SCHEMA_VERSION + 1`` and bump this;
 the migration that adds it (with its default) is derived. Other changes need a hand-written step in MIGRATIONS."""
 
@@ -257,7 +257,7 @@ MIGRATIONS: dict[int, Callable[[Connection], None]] = {
 """from_version -> the step that brings a pool from that version to the next one (DDL only; the version row is
 updated by ``DataPool``). Every version below SCHEMA_VERSION needs an entry. 1 -> 2: tool counts; 2 -> 3: process
 reward; 3 -> 4: steps.retokenized, trajectories.created_at (+ the curation and requests tables); 4 -> 5: the skill
-trace (plain_prompt_ids, macro_prompt_ids, macro_action_ids); 5 -> 6: action_choices; 6 -> 7: prefix_break."""
+trace (plain_prompt_ids, macro_prompt_ids, macro_action_ids); 5 -> 6: action_choices; 6 -> 7: prefix_break; 7 -> 8: staleness."""
 
 
 # ------------------------------------------------------------------------------------------ records <-> rows

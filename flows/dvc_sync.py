@@ -64,9 +64,12 @@ def stage_spec(stage: str, round_index: int | None, params: Params, layout: Layo
                 "outs": [rel(layout.policy("warmstart")), rel(layout.skills(0)),
                          rel(layout.metrics_dir / "warmstart.json")]}
     elif stage == "rollout":
-        deps = [rel(layout.round_policy(round_index)), rel(layout.scenarios("train"))]
+        # pipeline.max_staleness k: the policy of round max(0, r-1-k), so with k >= 1 rollout_{r+1} does not wait
+        # for train_r (DVC's DAG and the pipeline flow's concurrency both follow from this dep)
+        deps = [rel(layout.rollout_policy(round_index, params.pipeline.max_staleness)), rel(layout.scenarios("train"))]
         deps.append(rel(layout.skills(round_index - 1)))  # round 0's bank is the warm start's
-        spec = {"deps": deps, "params": ["pipeline.seed", "env", "harness", "rollout", "skills"],
+        spec = {"deps": deps, "params": ["pipeline.seed", "pipeline.max_staleness", "env", "harness", "rollout",
+                                         "skills"],
                 "outs": [rel(layout.steps(round_index)), rel(layout.skill_trials(round_index)),
                          rel(layout.round_metrics(round_index, "rollout"))]}
     elif stage == "validate":
@@ -103,6 +106,17 @@ def stage_spec(stage: str, round_index: int | None, params: Params, layout: Layo
     return {"cmd": cmd, **spec, **({"always_changed": True} if always else {})}
 
 
+def stage_dependencies(params: Params, layout: Layout) -> dict[str, list[str]]:
+    """dvc.yaml's DAG: each stage -> the stages whose outs it depends on (a dep equal to or inside an out, or an out
+    inside a dep folder), in pipeline order. The pipeline flow waits on exactly these (with pipeline.max_staleness
+    >= 1 the rollout of round r+1 does not wait for train_r), so Prefect and `dvc dag` show one graph."""
+    specs = {dvc_stage_name(s, r): stage_spec(s, r, params, layout) for s, r in stage_sequence(params.pipeline.rounds)}
+    inside = lambda a, b: a == b or a.startswith(b.rstrip("/") + "/")  # noqa: E731
+    return {name: [other for other, upstream in specs.items() if other != name and any(
+                inside(dep, out) or inside(out, dep) for dep in spec["deps"] for out in upstream["outs"])]
+            for name, spec in specs.items()}
+
+
 def _round_plot(layout: Layout, title: str, quantity: str, column: str) -> dict[str, Any]:
     """One curve per round of rounds.csv: held-out and train (the round's own rollouts) side by side, axes named
     (DVC labels a y axis of two fields "y" otherwise)."""
@@ -123,7 +137,8 @@ def render_dvc_yaml(params: Params, layout: Layout, code_root: Path = SOURCE_ROO
 def check_dvc_yaml(params: Params, layout: Layout) -> None:
     path = layout.root / "dvc.yaml"
     if not path.exists() or path.read_text() != render_dvc_yaml(params, layout):
-        raise RuntimeError(f"{path} does not match params.yaml (pipeline.rounds = {params.pipeline.rounds}) or the "
+        raise RuntimeError(f"{path} does not match params.yaml (pipeline.rounds = {params.pipeline.rounds}, "
+                           f"pipeline.max_staleness = {params.pipeline.max_staleness}) or the "
                            "stages' code (their imports): run `arlflow dvc-yaml` to regenerate it")
 
 

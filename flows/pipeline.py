@@ -8,6 +8,7 @@ round's data gate report and skill bank changes as artifacts.
 from __future__ import annotations
 
 import logging
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,7 @@ from prefect.exceptions import MissingContextError
 from prefect.logging.handlers import APILogHandler
 from prefect.runtime import flow_run
 from prefect.states import Completed, State
+from prefect.task_runners import ThreadPoolTaskRunner
 from prefect.tasks import exponential_backoff
 
 from flows import dvc_sync
@@ -34,6 +36,10 @@ STAGE_LOGGERS = ("arlflow", "tasks", "agents", "skills", "datapool", "models", "
 # pool stores a rollout's trajectory ids once; their files are staged and committed at once, tasks/outputs.py).
 RETRIES = {"rollout": 2, "evaluate": 2}
 RETRY_BACKOFF_S = 10
+CONCURRENT_STAGES = 2
+"""pipeline.max_staleness >= 1: at most this many stages at once (a round's rollout alongside the previous train)."""
+_DVC = threading.Lock()
+"""DVC's status and commit calls, one at a time (its repo lock is per process; concurrent stages share it)."""
 
 
 def _inside_a_run(record: logging.LogRecord) -> bool:
@@ -163,12 +169,78 @@ rollout_flow, validate_flow, mine_flow, train_flow = (STAGE_FLOWS[s] for s in RO
 evaluate_flow, transfer_flow = STAGE_FLOWS["evaluate"], STAGE_FLOWS["transfer"]
 
 
+def _run_or_skip(stage: str, round_index: int | None, params: Params, layout: Layout, force: bool) -> bool:
+    """One stage of the pipeline: nothing when DVC sees it as fresh (unless force; returns False), else its flow,
+    then committed to dvc.lock (returns True)."""
+    name = dvc_stage_name(stage, round_index)
+    with _DVC:
+        fresh = not force and not dvc_sync.is_stale(layout, name)
+    if fresh:
+        get_run_logger().info("stage %s is up to date (dvc status): skipped", name)
+        return False
+    STAGE_FLOWS[stage](root=str(layout.root), round_index=round_index)
+    with _DVC:
+        dvc_sync.commit(layout, name)
+    return True
+
+
+def _in_sequence(params: Params, layout: Layout, force: bool) -> list[tuple[str, bool]]:
+    """The stages one after the other (max_staleness 0), in the flow's own thread; a fresh one is a Skipped task."""
+    done = []
+    for stage, round_index in stage_sequence(params.pipeline.rounds):
+        name = dvc_stage_name(stage, round_index)
+        ran = _run_or_skip(stage, round_index, params, layout, force)
+        if not ran:
+            with tags(*_run_tags(params, stage, round_index)):
+                skipped_stage(name)
+        done.append((name, ran))
+    return done
+
+
+def _dag_stage_name(parameters: dict[str, Any]) -> str:
+    return dvc_stage_name(parameters["stage"], parameters["round_index"])
+
+
+@task(cache_policy=NO_CACHE, task_run_name=_dag_stage_name)
+def dag_stage(stage: str, round_index: int | None, root: str, force: bool) -> State | None:
+    """A stage of a pipeline with max_staleness >= 1: waits (wait_for) on the stages dvc.yaml makes it depend on,
+    then runs as `_run_or_skip`; a fresh one ends in the state Skipped, as in the synchronous pipeline."""
+    layout = Layout(Path(root))
+    if _run_or_skip(stage, round_index, load_params(layout.root / "params.yaml"), layout, force):
+        return None
+    name = dvc_stage_name(stage, round_index)
+    return Completed(name="Skipped", message=f"{name} is up to date (dvc status): not rerun")
+
+
+def _run_concurrently(params: Params, layout: Layout, force: bool) -> list[tuple[str, bool]]:
+    """Every stage as a task run that starts once the stages it depends on in dvc.yaml are done
+    (dvc_sync.stage_dependencies), CONCURRENT_STAGES at a time: with max_staleness k >= 1, rollout_{r+1} samples
+    with round r-k's policy and runs alongside train_r. A failed stage fails the run; its dependents never start.
+    Every stage keeps torch's thread count: fewer threads per concurrent stage changes float reductions, and so the
+    results, which must equal `dvc repro`'s (on 2 cores it was also slower: 0.83x vs 0.90x, seed 0)."""
+    graph = dvc_sync.stage_dependencies(params, layout)
+    futures: dict[str, Any] = {}
+    for stage, round_index in stage_sequence(params.pipeline.rounds):
+        name = dvc_stage_name(stage, round_index)
+        with tags(*_run_tags(params, stage, round_index)):
+            futures[name] = dag_stage.submit(stage, round_index, str(layout.root), force,
+                                             wait_for=[futures[upstream] for upstream in graph[name]])
+    for future in futures.values():
+        future.wait()
+    failed = [name for name, future in futures.items() if not future.state.is_completed()]
+    if failed:
+        futures[failed[0]].result()  # raises the first failed stage's own error
+        raise RuntimeError(f"stages {failed} did not complete")
+    return [(name, future.state.name != "Skipped") for name, future in futures.items()]
+
+
 def _pipeline_run_name() -> str:
     params = _run_params()
     return f"{params.pipeline.experiment}-seed{params.pipeline.seed}"
 
 
-@flow(name="pipeline", flow_run_name=_pipeline_run_name, log_prints=True)
+@flow(name="pipeline", flow_run_name=_pipeline_run_name, log_prints=True,
+      task_runner=ThreadPoolTaskRunner(max_workers=CONCURRENT_STAGES))
 def pipeline_flow(root: str = ".", force: bool = False) -> dict[str, Any]:
     """bootstrap -> warmstart -> rounds -> evaluate -> transfer; stages DVC sees as fresh are skipped
     (force=True reruns all), and each finished stage is committed to dvc.lock, so `dvc repro` afterwards is a no-op.
@@ -179,19 +251,11 @@ def pipeline_flow(root: str = ".", force: bool = False) -> dict[str, Any]:
     dvc_sync.check_dvc_yaml(params, layout)
     run_tags = _run_tags(params)
     _tag_this_flow_run(run_tags)
-    ran, skipped = [], []
     with pipeline_run(layout, params) as parent_run, tags(*run_tags):
-        for stage, round_index in stage_sequence(params.pipeline.rounds):
-            name = dvc_stage_name(stage, round_index)
-            if not force and not dvc_sync.is_stale(layout, name):
-                logger.info("stage %s is up to date (dvc status): skipped", name)
-                with tags(*_run_tags(params, stage, round_index)):
-                    skipped_stage(name)
-                skipped.append(name)
-                continue
-            STAGE_FLOWS[stage](root=str(layout.root), round_index=round_index)
-            dvc_sync.commit(layout, name)
-            ran.append(name)
+        run = _in_sequence if params.pipeline.max_staleness == 0 else _run_concurrently
+        done = run(params, layout, force)
+    ran = [name for name, was_run in done if was_run]
+    skipped = [name for name, was_run in done if not was_run]
     table = report.results_table(layout, pool_url(params, layout))
     publish_results(params, layout, table)
     logger.info("pipeline done: ran %s, skipped %s; MLflow parent run %s", ran, skipped, parent_run)

@@ -12,6 +12,7 @@ split, and there is exactly one optimizer step per mini-batch (`train_mini_batch
 """
 from __future__ import annotations
 
+from numbers import Integral
 from typing import Callable, NamedTuple
 
 import torch
@@ -31,6 +32,7 @@ class TrainRow(NamedTuple):
     old_logprobs: list[float] | None   # rollout log-probs of response_ids (one per token), None if unknown
     advantage: float | list[float]     # one value for every response token, or one per response token
     choices: list[list[int]] | None = None   # constrained decoding: the token sequences sampling was restricted to
+    staleness: int = 0                       # rounds between the sampling policy and the one being trained (0 = on-policy)
 
 
 
@@ -39,10 +41,12 @@ def collate(rows: list[TrainRow], pad_id: int) -> dict[str, Tensor]:
 
     input_ids, attention_mask: the sequences. target_ids[b, t] = input_ids[b, t + 1] (pad at the end).
     response_mask[b, t] = 1 iff target_ids[b, t] is a response token. old_logprobs / advantages: the row's rollout
-    log-prob / advantage at those positions (a scalar advantage is broadcast), 0 elsewhere. has_old_logprobs [B]:
-    whether the row carried log-probs. allowed_ids [B, L, K] (only when a row has ``choices``): at each response
-    position, the ids constrained decoding allowed there (-1 padded; all -1 = unconstrained), which every scoring
-    of the batch masks the logits to (models/portable/action_trie.mask_logits).
+    log-prob / advantage at those positions (a scalar advantage is broadcast), 0 elsewhere. behaviour_logprobs: a
+    copy of old_logprobs that keeps the rollout (behaviour policy) log-probs once the trainer replaces old_logprobs by
+    the proximal policy's (docs/algorithms.md §2.7). has_old_logprobs [B]: whether the row carried log-probs.
+    staleness [B] long: the row's staleness (0 = on-policy). allowed_ids [B, L, K] (only when a row has
+    ``choices``): at each response position, the ids constrained decoding allowed there (-1 padded; all -1 =
+    unconstrained), which every scoring of the batch masks the logits to (models/portable/action_trie.mask_logits).
     """
     if not rows:
         raise ValueError("collate needs at least one row")
@@ -54,6 +58,7 @@ def collate(rows: list[TrainRow], pad_id: int) -> dict[str, Tensor]:
     old_logprobs = torch.zeros((batch, width), dtype=torch.float32)         # [B, L]
     advantages = torch.zeros((batch, width), dtype=torch.float32)           # [B, L]
     has_old_logprobs = torch.zeros(batch, dtype=torch.bool)                 # [B]
+    staleness = torch.tensor([check_staleness(r.staleness, f"row {b}") for b, r in enumerate(rows)])  # [B] long
     allowed = {b: allowed_positions(row.choices, row.response_ids) for b, row in enumerate(rows) if row.choices}
     for b, row in enumerate(rows):
         n_prompt, n_response = len(row.prompt_ids), len(row.response_ids)
@@ -90,10 +95,21 @@ def collate(rows: list[TrainRow], pad_id: int) -> dict[str, Tensor]:
         "target_ids": target_ids,
         "response_mask": response_mask,
         "old_logprobs": old_logprobs,
+        "behaviour_logprobs": old_logprobs.clone(),
         "advantages": advantages,
         "has_old_logprobs": has_old_logprobs,
+        "staleness": staleness,
         **extra,
     }
+
+
+def check_staleness(staleness: object, where: str) -> int:
+    """`staleness` (rounds between the sampling policy and the one being trained) as an int >= 0; `where` names the
+    row or step in the error."""
+    if isinstance(staleness, bool) or not isinstance(staleness, Integral) or staleness < 0:
+        raise ValueError(f"{where}: staleness must be an int >= 0 (0 = sampled by the policy being trained), "
+                         f"got {staleness!r}")
+    return int(staleness)
 
 
 
@@ -165,6 +181,15 @@ def all_reduce_sum(tensor: Tensor, device: torch.device) -> Tensor:
     moved = tensor.to(device)
     dist.all_reduce(moved, op=dist.ReduceOp.SUM)
     return moved.to(tensor.device)
+
+
+def all_ranks_max(value: float, device: torch.device) -> float:
+    """The largest `value` of all ranks; `value` itself on one rank."""
+    top = torch.tensor([value], dtype=torch.float64)                       # [1]
+    if rank_and_world()[1] > 1:
+        top = top.to(device)
+        dist.all_reduce(top, op=dist.ReduceOp.MAX)
+    return float(top.cpu())
 
 
 def params_grad_norm(module: torch.nn.Module) -> float:

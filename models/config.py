@@ -35,6 +35,7 @@ GRPO_EPS = 1e-6
 ANCHOR_MODES = ("exact", "fuzzy")
 AGGREGATIONS = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 KL_KINDS = ("k1", "k2", "k3")
+OFF_POLICY_CORRECTIONS = ("decoupled", "none")
 
 
 @dataclass(frozen=True)
@@ -99,14 +100,26 @@ class LossConfig:
     """KL estimator of the penalty: k1, k2 or k3 (`kl_penalty`)."""
     entropy_coef: float = 0.0
     """Weight of the entropy bonus (subtracted from the loss); 0 = off (entropy is still logged)."""
+    off_policy: str = "decoupled"
+    """Correction of stale rows (staleness > 0: sampled by an older policy than the one at the start of the update):
+    "decoupled" (decoupled PPO: the token loss, with its ratio to the proximal policy, is multiplied by the truncated
+    importance weight min(pi_prox / pi_behav, is_weight_cap); docs/algorithms.md §2.7) or "none" (stale rows are
+    trained as if sampled by the proximal policy). Rows with staleness 0 are never weighted."""
+    is_weight_cap: float = 2.0
+    """decoupled: the cap C >= 1 of the importance weights pi_prox / pi_behav (truncated IS)."""
 
     def __post_init__(self) -> None:
         check_config(self, clip_low="fraction", clip_high="non_negative", dual_clip="non_negative",
                      kl_beta="non_negative", entropy_coef="non_negative")
         check_choice(self, "aggregation", AGGREGATIONS)
         check_choice(self, "kl_kind", KL_KINDS)
+        check_choice(self, "off_policy", OFF_POLICY_CORRECTIONS)
         if 0.0 < self.dual_clip <= 1.0:
             raise ConfigValueError("dual_clip", self.dual_clip, "0 (off) or > 1 (the usual value is 3.0)")
+        cap = self.is_weight_cap
+        if isinstance(cap, bool) or not isinstance(cap, (int, float)) or cap < 1.0:
+            raise ConfigValueError("is_weight_cap", cap, ">= 1 (a cap below 1 down-weights stale tokens even where "
+                                   "both policies agree; the usual value is 2.0)")
 
 
 @dataclass(frozen=True)

@@ -18,10 +18,16 @@ from typing import Callable, NamedTuple, Protocol, Sequence
 import torch
 from torch import Tensor
 
+from models.batching import check_staleness
+
 
 
 class StepRecord(Protocol):
-    """What the layouts read of a step (datapool.records.StepRecord is one; models/ does not import datapool)."""
+    """What the layouts read of a step (datapool.records.StepRecord is one; models/ does not import datapool).
+
+    A step may also carry ``staleness: int`` (rounds between the policy that sampled it and the one being trained,
+    e.g. a column the caller adds to the frame whose rows it passes); without one it counts as on-policy (0).
+    """
 
     trajectory_id: str
     group_id: str
@@ -61,6 +67,7 @@ class RowSpec(NamedTuple):
     advantage: float = 0.0            # broadcast to every response token (set with row._replace(advantage=...))
     step_advantages: tuple[float, ...] = ()  # when set: response tokens of turn k get step_advantages[k] instead
     success: bool = False             # the trajectory succeeded (TrajectoryRecord.won), for SEAL
+    staleness: int = 0                # the largest staleness of the steps it covers (0 = on-policy)
 
 
 def step_rows(steps: Sequence[StepRecord]) -> list[RowSpec]:
@@ -82,6 +89,7 @@ def step_rows(steps: Sequence[StepRecord]) -> list[RowSpec]:
             group_id=step.group_id,
             step_indices=(step.step_index,),
             has_old_logprobs=has_logprobs,
+            staleness=_step_staleness(step),
         ))
     return rows
 
@@ -139,6 +147,7 @@ def concatenated(steps: Sequence[StepRecord], tokenizer: TextTokenizer, *, turn_
         input_ids=ids, response_mask=response, observation_mask=observation, old_logprobs=logprobs,
         turn_index=turns, trajectory_id=first.trajectory_id, group_id=first.group_id,
         step_indices=tuple(s.step_index for s in ordered), has_old_logprobs=has_all_logprobs,
+        staleness=max(_step_staleness(s) for s in ordered),
     )
 
 
@@ -149,8 +158,10 @@ def collate_rows(rows: Sequence[RowSpec], pad_id: int) -> dict[str, Tensor]:
     response_mask / observation_mask [B, L]: 1 iff target_ids[b, t] is a response / observation token.
     old_logprobs, advantages [B, L]: the target token's rollout log-prob / advantage at response positions, 0 elsewhere
     (advantage: step_advantages[turn] when the row has them, else the row's advantage).
+    behaviour_logprobs [B, L]: a copy of old_logprobs, kept when the trainer replaces those by the proximal policy's.
     turn_index [B, L] long: the target token's turn, -1 elsewhere. has_old_logprobs, success [B] bool;
-    group_index [B] long: group_id numbered in order of first appearance (AuxInputs.group_index).
+    group_index [B] long: group_id numbered in order of first appearance (AuxInputs.group_index);
+    staleness [B] long: the row's staleness.
     """
     if not rows:
         raise ValueError("collate_rows needs at least one row")
@@ -189,11 +200,14 @@ def collate_rows(rows: Sequence[RowSpec], pad_id: int) -> dict[str, Tensor]:
         "response_mask": response_mask,
         "observation_mask": observation_mask,
         "old_logprobs": old_logprobs,
+        "behaviour_logprobs": old_logprobs.clone(),
         "advantages": advantages,
         "turn_index": turn_index,
         "has_old_logprobs": torch.tensor([r.has_old_logprobs for r in rows], dtype=torch.bool),   # [B]
         "success": torch.tensor([r.success for r in rows], dtype=torch.bool),                     # [B]
         "group_index": torch.tensor([group_numbers[r.group_id] for r in rows], dtype=torch.long),  # [B]
+        "staleness": torch.tensor([check_staleness(r.staleness, f"row {b} ({r.trajectory_id})")
+                                   for b, r in enumerate(rows)], dtype=torch.long),                 # [B]
     }
 
 
@@ -219,6 +233,11 @@ def _between_turns(prev: StepRecord, cur: StepRecord, tokenizer: TextTokenizer, 
     before, _, after = turn_template.partition(OBSERVATION_FIELD)
     pieces = [(_encode(tokenizer, before), 0), (_encode(tokenizer, cur.observation), 1), (_encode(tokenizer, after), 0)]
     return [i for ids, _ in pieces for i in ids], [flag for ids, flag in pieces for _ in ids]
+
+
+def _step_staleness(step: StepRecord) -> int:
+    """The step's ``staleness`` when it carries one (see StepRecord), else 0 (on-policy)."""
+    return check_staleness(getattr(step, "staleness", 0), f"step {step.step_index} of {step.trajectory_id}")
 
 
 def _encode(tokenizer: TextTokenizer, text: str) -> list[int]:

@@ -1,9 +1,12 @@
 """Policy losses (docs/algorithms.md §2), the KL and entropy terms, and the supervised loss used by warm-start.
 
 Every loss registered in LOSSES has the signature
-`fn(logp, old_logp, advantages, mask, *, clip_low, clip_high, dual_clip, aggregation) -> (loss, metrics)`
-over [B, L] tensors that are already aligned (position t holds the log-prob of the token the policy produced there)
-and with the per-trajectory advantage already broadcast to the generated tokens.
+`fn(logp, old_logp, advantages, mask, *, clip_low, clip_high, dual_clip, aggregation, token_weights=None)
+-> (loss, metrics)` over [B, L] tensors that are already aligned (position t holds the log-prob of the token the
+policy produced there) and with the per-trajectory advantage already broadcast to the generated tokens.
+token_weights [B, L] (detached), when given, multiplies the per-token loss before aggregation: the truncated
+importance weights of stale rows (`truncated_is_weights`, docs/algorithms.md §2.7). It is passed only when some row
+is stale, so a loss without the argument still trains on-policy batches.
 
 `policy_objective` is what a trainer calls: the registered policy loss + beta * KL(policy || reference)
 - entropy_coef * entropy, with every term logged separately; `LossConfig` (params.yaml ``train.loss``) selects it.
@@ -23,6 +26,8 @@ from models.config import AGGREGATIONS, KL_KINDS, LOSSES, LossConfig
 
 LOG_RATIO_CLAMP = 20.0
 K3_CLAMP = 10.0
+NO_STALE_WEIGHT_METRICS = {"is_weight_mean": 1.0, "is_weight_max": 1.0, "is_weight_truncated_fraction": 0.0}
+"""`truncated_is_weights`' metrics when no token is stale: every weight is then exactly 1."""
 
 
 def masked_token_mean(x: Tensor, mask: Tensor) -> Tensor:
@@ -82,19 +87,22 @@ def ppo_clip(
     clip_high: float = 0.2,
     dual_clip: float | None = None,
     aggregation: str = "token-mean",
+    token_weights: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """PPO clipped surrogate with asymmetric (clip-higher) bounds and optional dual clip.
 
     rho = exp(clamp(logp - old_logp, -20, 20));
     l = max(-A * rho, -A * clip(rho, 1 - clip_low, 1 + clip_high));
-    dual clip (A < 0 only, c = dual_clip): l = min(l, -A * c).
+    dual clip (A < 0 only, c = dual_clip): l = min(l, -A * c);
+    token_weights w (decoupled PPO for stale rows, old_logp then being the proximal policy): l = w * l.
 
     Schulman et al. 2017, "Proximal Policy Optimization Algorithms", arXiv:1707.06347; clip-higher from Yu et al.
     2025, "DAPO: An Open-Source LLM Reinforcement Learning System at Scale", arXiv:2503.14476; dual clip from Ye et al.
     2020, "Mastering Complex Control in MOBA Games with Deep Reinforcement Learning", arXiv:1912.09729.
 
-    Args: logp, old_logp, advantages, mask: [B, L]. Returns the aggregated loss and metrics (clip_fraction: share of
-    valid tokens where the clipped term is the larger; approx_kl_k2: token mean of 0.5 * (log r)^2;
+    Args: logp, old_logp, advantages, mask, token_weights (None = no weighting): [B, L]. Returns the aggregated loss
+    and metrics (clip_fraction: share of valid tokens where the clipped term is the larger; approx_kl_k2: token mean
+    of 0.5 * (log r)^2;
     approx_kl_k3: token mean of (r - 1) - log r, CleanRL's approx_kl;
     ratio_mean; dual_clip_fraction when dual_clip is set).
     """
@@ -115,6 +123,8 @@ def ppo_clip(
         dual_active = (advantages < 0) & (loss_mat > bound)                 # [B, L]
         loss_mat = torch.where(dual_active, bound, loss_mat)                # [B, L]
         metrics_masks["dual_clip_fraction"] = dual_active
+    if token_weights is not None:
+        loss_mat = loss_mat * token_weights.detach()                        # [B, L]
     loss = aggregate(loss_mat, valid, aggregation)                          # []
 
     with torch.no_grad():
@@ -133,20 +143,24 @@ def vanilla_pg(
     mask: Tensor,
     *,
     aggregation: str = "token-mean",
+    token_weights: Tensor | None = None,
     **ignored: object,
 ) -> tuple[Tensor, dict[str, float]]:
-    """REINFORCE: l = -A * logp, no ratio and no clip (clip_low / clip_high / dual_clip are accepted and ignored).
+    """REINFORCE: l = -A * logp (times token_weights w when given: l = -w * A * logp), no ratio and no clip
+    (clip_low / clip_high / dual_clip are accepted and ignored).
 
     Williams 1992, "Simple Statistical Gradient-Following Algorithms for Connectionist Reinforcement Learning",
     Machine Learning 8:229-256. The gradient is unbiased only on-policy: use it with one epoch of one mini-batch
     per rollout batch; later steps on the same rows are not corrected for the policy having moved.
 
-    Args: logp, old_logp, advantages, mask: [B, L]. Metrics as ppo_clip's (clip_fraction is 0: nothing is clipped),
-    so dashboards compare the two.
+    Args: logp, old_logp, advantages, mask, token_weights (None = no weighting): [B, L]. Metrics as ppo_clip's
+    (clip_fraction is 0: nothing is clipped), so dashboards compare the two.
     """
     valid = mask.bool()                                                     # [B, L]
     advantages = torch.where(valid, advantages, torch.zeros_like(advantages))  # [B, L] no nan leaks via 0 * nan
     loss_mat = -advantages * logp                                           # [B, L]
+    if token_weights is not None:
+        loss_mat = loss_mat * token_weights.detach()                        # [B, L]
     loss = aggregate(loss_mat, valid, aggregation)                          # []
     with torch.no_grad():
         diff = torch.where(valid, logp - old_logp, torch.zeros_like(logp))  # [B, L]
@@ -157,6 +171,38 @@ def vanilla_pg(
             "ratio_mean": float(masked_token_mean(ratio, valid)),
         }
     return loss, metrics
+
+
+def truncated_is_weights(prox_logp: Tensor, behaviour_logp: Tensor, stale_rows: Tensor, mask: Tensor, cap: float
+                         ) -> tuple[Tensor, dict[str, float]]:
+    """Truncated importance weights of the decoupled PPO objective (docs/algorithms.md §2.7), detached:
+
+    w[b, t] = min(exp(clamp(prox_logp - behaviour_logp, -20, 20)), cap) at the valid tokens of the stale rows,
+    exactly 1.0 everywhere else (on-policy rows, rows without rollout log-probs, masked positions).
+
+    Hilton et al. 2021, "Batch size-invariance for policy optimization", arXiv:2110.00641 (decoupled PPO: the clip
+    is taken w.r.t. the proximal policy, the behaviour policy is corrected by importance sampling); used for stale
+    rollouts by Fu et al. 2025, "AReaL: A Large-Scale Asynchronous Reinforcement Learning System for Language
+    Reasoning", arXiv:2505.24298. The cap bounds the variance (truncated IS).
+
+    Args: prox_logp (the proximal policy: the weights at the start of the update), behaviour_logp (the rollout's
+    recorded log-probs), mask: [B, L]; stale_rows [B] bool: the rows to weight; cap >= 1. Returns (w [B, L], metrics
+    over the valid tokens of the stale rows: is_weight_mean, is_weight_max and is_weight_truncated_fraction, the share
+    of tokens whose untruncated weight exceeds the cap; 1.0, 1.0, 0.0 when there are none, every weight being 1).
+    """
+    with torch.no_grad():
+        weighted = mask.bool() & stale_rows.to(mask.device).bool()[:, None]  # [B, L]
+        log_ratio = torch.where(weighted, prox_logp - behaviour_logp, torch.zeros_like(prox_logp))  # [B, L]
+        raw = torch.exp(log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))  # [B, L]
+        weights = torch.where(weighted, raw.clamp_max(cap), torch.ones_like(raw))  # [B, L]
+        if not bool(weighted.any()):
+            return weights, dict(NO_STALE_WEIGHT_METRICS)
+        metrics = {
+            "is_weight_mean": float(masked_token_mean(weights, weighted)),
+            "is_weight_max": float(weights[weighted].max()),
+            "is_weight_truncated_fraction": float(masked_token_mean((raw > cap).float(), weighted)),
+        }
+    return weights, metrics
 
 
 def kl_penalty(
@@ -217,16 +263,25 @@ def policy_objective(
     *,
     ref_logp: Tensor | None = None,
     entropy: Tensor | None = None,
+    behaviour_logp: Tensor | None = None,
+    stale_rows: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """total = LOSSES[cfg.name] + kl_beta * kl_penalty(logp, ref_logp) - entropy_coef * entropy (docs/algorithms.md §2).
 
     The KL term uses the same mask and aggregation as the policy loss (GRPO's "KL in the loss", Shao et al. 2024,
     arXiv:2402.03300); the entropy bonus follows Schulman et al. 2017, arXiv:1707.06347 (eq. 9).
+    Off-policy correction (§2.7): with behaviour_logp and stale_rows given, old_logp is the proximal policy and, under
+    cfg.off_policy "decoupled", the policy loss of the stale rows' tokens is weighted by
+    `truncated_is_weights(old_logp, behaviour_logp, stale_rows, mask, cfg.is_weight_cap)`. With no stale row the
+    loss is called without weights: bit-identical to a call without these arguments.
 
-    Args: logp, old_logp, advantages, mask, ref_logp: [B, L]; entropy: the scalar from `entropy_from_logits` (computed
+    Args: logp, old_logp, advantages, mask, ref_logp, behaviour_logp: [B, L]; stale_rows [B] bool (rows sampled by an
+    older policy that carry their rollout log-probs); entropy: the scalar from `entropy_from_logits` (computed
     by the caller, who holds the logits). ref_logp may be given with kl_beta 0 to log the KL only.
     Returns (total, metrics): the policy loss's own metrics plus pg_loss, kl_loss and kl_ref_<kl_kind> (the
-    penalty's KL estimate, when ref_logp is given), entropy (when given) and loss (the total).
+    penalty's KL estimate, when ref_logp is given), entropy (when given), is_weight_mean / is_weight_max /
+    is_weight_truncated_fraction (when behaviour_logp and stale_rows are given; logged under off_policy "none" too)
+    and loss (the total).
     """
     if cfg.kl_beta != 0.0 and ref_logp is None:
         raise ValueError(f"kl_beta is {cfg.kl_beta} but no ref_logp was given: pass the reference policy's log-probs "
@@ -234,10 +289,17 @@ def policy_objective(
     if cfg.entropy_coef != 0.0 and entropy is None:
         raise ValueError(f"entropy_coef is {cfg.entropy_coef} but no entropy was given: pass "
                          f"entropy_from_logits(logits, mask, aggregation) or set entropy_coef to 0")
+    weighting: dict[str, Tensor] = {}
+    weight_metrics: dict[str, float] = {}
+    if behaviour_logp is not None and stale_rows is not None:
+        weights, weight_metrics = truncated_is_weights(old_logp, behaviour_logp, stale_rows, mask, cfg.is_weight_cap)
+        if cfg.off_policy == "decoupled" and bool(stale_rows.any()):
+            weighting["token_weights"] = weights                            # [B, L]
     pg_loss, metrics = LOSSES[cfg.name](
         logp, old_logp, advantages, mask, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
-        dual_clip=cfg.dual_clip or None, aggregation=cfg.aggregation,
+        dual_clip=cfg.dual_clip or None, aggregation=cfg.aggregation, **weighting,
     )
+    metrics.update(weight_metrics)
     total = pg_loss                                                         # []
     metrics["pg_loss"] = float(pg_loss.detach())
     if ref_logp is not None:

@@ -16,12 +16,12 @@ from pathlib import Path
 from typing import Any, Callable, Protocol
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 from tqdm.auto import tqdm
 
 from models.aux_losses import AUX_LOSSES, AuxConfig, AuxInputs
-from models.batching import (TrainRow, UpdateConfig, aggregation_units, all_reduce_sum, collate, loss_weight,
+from models.batching import (TrainRow, UpdateConfig, aggregation_units, all_ranks_max, all_reduce_sum, collate,
+                             loss_weight,
                              rank_micro_batches, select_rows, train_mini_batch)
 from models.checkpoint import load_checkpoint, rank_and_world, save_checkpoint
 from models.ds_engine import LrSchedule
@@ -30,6 +30,8 @@ from models.forward import (LOGIT_FREE_AUX, entropy_at, logits_at, scatter_posit
 from models.layouts import RowSpec, collate_rows
 from models.losses import LossConfig, masked_token_mean, policy_objective
 from models.portable.action_trie import mask_logits
+from models.staleness import (IS_WEIGHT_METRICS, NO_STALE_TOKENS, add_is_weight_totals, is_weight_metrics,
+                              is_weight_totals, loss_settings, staleness_metrics)
 
 AGGREGATED_METRICS = ("loss", "pg_loss", "kl_loss", "entropy")  # policy_objective terms reduced by `aggregation`
 
@@ -57,6 +59,9 @@ def _micro_objective(engine, part: dict[str, Tensor], loss: LossConfig, aux: Aux
     on_policy: the weights have not moved since the rollout rows were scored, so this forward's own log-probs
     (detached) are the old log-probs (ratio exactly 1); part["old_logprobs"] then holds the rollout log-probs, and
     the metrics carry `_gap_sum` / `_gap_count` / `_gap_max` of |logp - rollout| for `logp_mismatch_*`.
+    The old log-probs are the proximal policy's; rows with staleness > 0 and rollout log-probs are corrected towards
+    their behaviour policy (part["behaviour_logprobs"]) as loss.off_policy says (docs/algorithms.md §2.7); the metrics
+    carry IS_WEIGHT_METRICS over their `_is_weight_count` tokens.
     """
     mask = part["response_mask"]                                            # [b, l]
     names = aux.names
@@ -80,9 +85,12 @@ def _micro_objective(engine, part: dict[str, Tensor], loss: LossConfig, aux: Aux
     else:
         with torch.no_grad():
             entropy = entropy_at(response_logits.detach(), mask, loss.aggregation)
-    old_logp = logp.detach() if on_policy else part["old_logprobs"]         # [b, l]
+    old_logp = logp.detach() if on_policy else part["old_logprobs"]         # [b, l] the proximal policy
+    stale_rows = (part["staleness"] > 0) & part["has_old_logprobs"]        # [b]
     total, metrics = policy_objective(logp, old_logp, part["advantages"], mask, loss,
-                                      ref_logp=part.get("ref_logprobs"), entropy=entropy)
+                                      ref_logp=part.get("ref_logprobs"), entropy=entropy,
+                                      behaviour_logp=part["behaviour_logprobs"], stale_rows=stale_rows)
+    metrics["_is_weight_count"] = float((mask.bool() & stale_rows.to(mask.device)[:, None]).sum())
     if on_policy:
         with torch.no_grad():
             carried = mask.bool() & part["has_old_logprobs"].to(mask.device)[:, None]  # [b, l]
@@ -152,6 +160,8 @@ def _fingerprint(batch: dict[str, Tensor], settings: dict[str, Any]) -> str:
     for name in ("input_ids", "attention_mask", "response_mask", "advantages", "old_logprobs", "allowed_ids"):
         if name in batch:
             digest.update(batch[name].numpy().tobytes())
+    if bool(batch["staleness"].any()):                                      # all on-policy: the digest of before
+        digest.update(batch["staleness"].numpy().tobytes())
     return digest.hexdigest()
 
 
@@ -185,6 +195,7 @@ def _fresh_state(engine, batch, lengths, rows, reference, *, fingerprint, epochs
         "updates_done": 0, "epoch": 0, "mini_batch": 0,  # data position: next epoch / mini-batch to train
         "micro_batches_done": 0,                           # this rank's forward/backward passes so far
         "metric_sums": {}, "finished": False, "result": None,
+        "is_weight_totals": dict(NO_STALE_TOKENS),         # `is_weight_totals` of every update so far
     }
 
 
@@ -210,7 +221,8 @@ def _update_metrics(engine, mini: list[int], batch, micro_metrics, shares, advan
 
     shares: per micro-batch (its share of the mini-batch loss, its share of the mini-batch's response tokens). The
     aggregated terms (AGGREGATED_METRICS) are weighted by the first, so they equal the mini-batch objective's terms;
-    the token means of the policy loss (clip_fraction, approx_kl_k2/k3, ratio_mean, ...) by the second.
+    the token means of the policy loss (clip_fraction, approx_kl_k2/k3, ratio_mean, ...) by the second. The
+    staleness statistics (`staleness_metrics`) are the mini-batch rows'.
     """
     keys = sorted(micro_metrics[0])
     local = torch.tensor([[share[not _is_aggregated(k)] * m[k] for k in keys]
@@ -227,6 +239,7 @@ def _update_metrics(engine, mini: list[int], batch, micro_metrics, shares, advan
         tokens=float(tokens),
         tokens_per_s=tokens / max(elapsed, 1e-9),
         micro_batches=float(len(micro_metrics)),
+        **staleness_metrics(batch["staleness"][mini]),
     )
     return metrics
 
@@ -259,10 +272,16 @@ def rl_update(
     rollout log-probs, |recomputed - rollout| is reported as logp_mismatch_mean/max (engine/trainer drift). With one
     epoch of one mini-batch, no row is trained after an earlier update, so the recompute is skipped: the training
     forward's detached log-probs are the old ones (ratio exactly 1) and the mismatch is measured on them.
+    Stale rows (TrainRow/RowSpec staleness > 0, sampled by an older policy): the old log-probs are the proximal
+    policy's and loss.off_policy "decoupled" weights their tokens by min(pi_prox / pi_behaviour, loss.is_weight_cap)
+    (docs/algorithms.md §2.7); rows with staleness 0 are never weighted. Rows are never dropped for staleness here.
     reference (e.g. `models.reference.ReferencePolicy`): scored once at the start; needed when loss.kl_beta > 0, and
     with kl_beta 0 the KL is only logged (kl_loss).
     on_update(step, metrics): called on every rank after every optimizer step (step = engine.global_steps) with that
-    step's loss terms, clip fraction, KL estimates, entropy, grad norm, lr, advantage stats, response length, tokens/s.
+    step's loss terms, clip fraction, KL estimates, entropy, grad norm, lr, advantage stats, response length, tokens/s,
+    staleness stats (stale_row_fraction, staleness_mean/max, staleness_count_<k>) and importance weights
+    (is_weight_mean/max, is_weight_truncated_fraction). The returned staleness stats are over all rows, the weights
+    over every update's stale tokens.
     checkpoint_dir: save a complete checkpoint (`models.checkpoint`) every `update.checkpoint_every` optimizer steps
     and at the end; a call with the same rows and settings resumes from the newest complete one, skipping the
     mini-batches already done, and ends bit-identical to an uninterrupted call (same seed, same hardware). One
@@ -286,9 +305,10 @@ def rl_update(
     lengths = batch["attention_mask"].sum(dim=1).tolist()
     mini_size = update.mini_batch(engine)
     max_rows, token_budget = update.micro_batch_size, update.token_budget or None
-    settings = dict(loss=dataclasses.asdict(loss), pad_id=pad_id, micro_batch_size=max_rows, mini_batch_size=mini_size,
-                    token_budget=token_budget, epochs=update.epochs, seed=seed, world=rank_and_world()[1],
-                    reference=reference is not None, engine=_engine_settings(engine), aux=dataclasses.asdict(aux))
+    settings = dict(loss=loss_settings(loss, batch), pad_id=pad_id, micro_batch_size=max_rows,
+                    mini_batch_size=mini_size, token_budget=token_budget, epochs=update.epochs, seed=seed,
+                    world=rank_and_world()[1], reference=reference is not None, engine=_engine_settings(engine),
+                    aux=dataclasses.asdict(aux))
     fingerprint = _fingerprint(batch, settings)
 
     state = load_checkpoint(engine, checkpoint_dir, fingerprint=fingerprint) if checkpoint_dir is not None else None
@@ -323,8 +343,13 @@ def rl_update(
             gaps = [{k: m.pop(k) for k in ("_gap_sum", "_gap_count", "_gap_max") if k in m} for m in micro_metrics]
             if on_policy:
                 state["mismatch"] = _on_policy_mismatch(gaps, engine.device)
+            weights = [{k: m.pop(k) for k in (*IS_WEIGHT_METRICS, "_is_weight_count")} for m in micro_metrics]
+            step_weights = is_weight_totals(weights, engine.device)
+            state["is_weight_totals"] = add_is_weight_totals(state.get("is_weight_totals", NO_STALE_TOKENS),
+                                                             step_weights)   # absent in older checkpoints
             metrics = _update_metrics(engine, mini, batch, micro_metrics, shares, advantages, lengths, lr,
                                       time.perf_counter() - step_started)
+            metrics.update(is_weight_metrics(step_weights))
             metrics["grad_norm"] = grad_norm
             tokens_this_call += int(metrics["tokens"])
             for name, value in metrics.items():
@@ -355,13 +380,10 @@ def _on_policy_mismatch(gaps: list[dict[str, float]], device: torch.device) -> d
     local = torch.tensor([sum(g["_gap_sum"] for g in gaps), sum(g["_gap_count"] for g in gaps)],
                          dtype=torch.float64)                               # [2]
     total, count = all_reduce_sum(local, device).tolist()
-    top = torch.tensor([max((g["_gap_max"] for g in gaps), default=0.0)], dtype=torch.float64)  # [1]
-    if rank_and_world()[1] > 1:
-        top = top.to(device)
-        dist.all_reduce(top, op=dist.ReduceOp.MAX)
+    top = all_ranks_max(max((g["_gap_max"] for g in gaps), default=0.0), device)
     if count == 0:
         return {}
-    return {"logp_mismatch_mean": total / count, "logp_mismatch_max": float(top.cpu())}
+    return {"logp_mismatch_mean": total / count, "logp_mismatch_max": top}
 
 
 def _row_advantages(rows: list[TrainRow]) -> list[float]:
@@ -372,7 +394,8 @@ def _row_advantages(rows: list[TrainRow]) -> list[float]:
 
 def _rl_result(state, rows, batch, tokens_this_call: int, started: float) -> dict[str, float]:
     """rl_update's return value: per-update metrics averaged over all updates of the call, the rollout log-prob
-    mismatch, and advantage / response-length statistics over all rows."""
+    mismatch, advantage / response-length / staleness statistics over all rows, and IS_WEIGHT_METRICS over the stale
+    rows' tokens of all updates."""
     updates = max(state["updates_done"], 1)
     result = {name: total / updates for name, total in state["metric_sums"].items()}
     result.update(state["mismatch"])
@@ -380,6 +403,8 @@ def _rl_result(state, rows, batch, tokens_this_call: int, started: float) -> dic
     result["advantage_mean"] = float(advantages.mean())
     result["advantage_std"] = float(advantages.std()) if len(rows) > 1 else 0.0
     result["response_length"] = float(batch["response_mask"].sum()) / len(rows)
+    result.update(staleness_metrics(batch["staleness"]))
+    result.update(is_weight_metrics(state["is_weight_totals"]))
     result["tokens_per_s"] = tokens_this_call / max(time.perf_counter() - started, 1e-9)
     result["updates"] = float(state["updates_done"])
     return result

@@ -16,6 +16,20 @@ class MissingInputError(FileNotFoundError):
     """A stage input is absent: the message names the stage that produces it."""
 
 
+def policy_name(round_index: int) -> str:
+    """The policy a round ends with: "warmstart" for round 0, else "round_<r>"."""
+    return "warmstart" if round_index == 0 else f"round_{round_index}"
+
+
+def behaviour_round(round_index: int, max_staleness: int) -> int:
+    """The round whose policy samples rollout of round r under staleness bound k: max(0, r - 1 - k) (k = 0: r - 1,
+    the synchronous pipeline). Its staleness, the rounds it lags the policy train_r starts from, is
+    ``(r - 1) - behaviour_round(r, k)`` = min(k, r - 1)."""
+    if round_index < 1 or max_staleness < 0:
+        raise ValueError(f"round {round_index} (>= 1), max_staleness {max_staleness} (>= 0)")
+    return max(0, round_index - 1 - max_staleness)
+
+
 @dataclass(frozen=True)
 class Layout:
     root: Path
@@ -37,8 +51,13 @@ class Layout:
         return self.root / "artifacts" / "policies" / name
 
     def round_policy(self, round_index: int) -> Path:
-        """The policy that rollout of round r uses: the warm start for r = 1, else round r-1's."""
-        return self.policy("warmstart" if round_index == 1 else f"round_{round_index - 1}")
+        """The policy train of round r starts from (and synchronous rollout of round r samples with): the warm start
+        for r = 1, else round r-1's."""
+        return self.policy(policy_name(round_index - 1))
+
+    def rollout_policy(self, round_index: int, max_staleness: int = 0) -> Path:
+        """The policy rollout of round r samples with: round ``behaviour_round(r, k)``'s (pipeline.max_staleness)."""
+        return self.policy(policy_name(behaviour_round(round_index, max_staleness)))
 
     def round_dir(self, round_index: int) -> Path:
         return self.root / "data" / "rounds" / f"round_{round_index}"

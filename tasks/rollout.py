@@ -19,12 +19,26 @@ from tasks.common import (episode_options, read_scenarios, seed_everything, skil
 from tasks.skill_trials import trial_frame, write_trials
 from tasks.config import Params, params_to_dict
 from tasks.engines import open_engine
-from tasks.layout import Layout, require, stage_pool_url
+from tasks.layout import Layout, behaviour_round, policy_name, require, stage_pool_url
 from tasks.outputs import staged_outputs
 
 
-def policy_version(round_index: int) -> str:
-    return "warmstart" if round_index == 1 else f"round_{round_index - 1}"
+def policy_version(round_index: int, max_staleness: int = 0) -> str:
+    """The name of the policy rollout of round r samples with (pipeline.max_staleness k): round max(0, r-1-k)'s."""
+    return policy_name(behaviour_round(round_index, max_staleness))
+
+
+def policy_producer(round_index: int, max_staleness: int = 0) -> str:
+    """The stage that writes that policy: warmstart, or train_<round>."""
+    source = behaviour_round(round_index, max_staleness)
+    return "warmstart" if source == 0 else f"train_{source}"
+
+
+def mark_staleness(trajectories: list[TrajectoryRecord], staleness: int) -> list[TrajectoryRecord]:
+    """Every step records how many rounds its sampling policy lags the one train_r starts from."""
+    if staleness == 0:
+        return trajectories
+    return [replace(traj, steps=[replace(step, staleness=staleness) for step in traj.steps]) for traj in trajectories]
 
 
 def tag_attempt(trajectories: list[TrajectoryRecord], attempt: str) -> list[TrajectoryRecord]:
@@ -42,7 +56,7 @@ def attempt_id(params: Params, layout: Layout, round_index: int) -> str:
     """Content hash of what determines this rollout (policy weights, skill bank, params, round): a rerun with the same
     inputs reproduces the same trajectory ids, which the pool stores once (idempotent); anything else gets new ids."""
     digest = hashlib.sha256()
-    for folder in (layout.round_policy(round_index), layout.skills(round_index - 1)):
+    for folder in (layout.rollout_policy(round_index, params.pipeline.max_staleness), layout.skills(round_index - 1)):
         for path in sorted(p for p in folder.rglob("*") if p.is_file()) if folder.exists() else []:
             digest.update(path.name.encode())
             digest.update(path.read_bytes())
@@ -86,9 +100,10 @@ def run(params: Params, layout: Layout, round_index: int) -> dict[str, Any]:
     cfg = params.rollout
     seed = params.pipeline.seed * 1000 + round_index
     seed_everything(seed)
-    version = policy_version(round_index)
-    producer = "warmstart" if round_index == 1 else f"train_{round_index - 1}"
-    require(layout.round_policy(round_index), producer)
+    lag = params.pipeline.max_staleness
+    version, producer = policy_version(round_index, lag), policy_producer(round_index, lag)
+    policy = require(layout.rollout_policy(round_index, lag), producer)
+    staleness = (round_index - 1) - behaviour_round(round_index, lag)
     train = read_scenarios(layout, "train")
     order = random.Random(seed).sample(train, len(train))  # this round's scenario order; batches take the next ones
     # round 0's bank is the warm start's (always written): a missing bank is an error, not a run without skills
@@ -101,7 +116,7 @@ def run(params: Params, layout: Layout, round_index: int) -> dict[str, Any]:
     sampling = replace(cfg.sampling, seed=seed)
 
     # cheap checks above, servers (engine.kind vllm) last: the handoff is verified before the first episode
-    with open_engine(params, layout, layout.round_policy(round_index), version, producer,
+    with open_engine(params, layout, policy, version, producer,
                      stage=f"rollout_{round_index}") as (engine, engine_stats):
         started = time.perf_counter()
         trajectories: list[TrajectoryRecord] = []
@@ -128,7 +143,7 @@ def run(params: Params, layout: Layout, round_index: int) -> dict[str, Any]:
             trajectories += new
         elapsed = time.perf_counter() - started
     attempt = attempt_id(params, layout, round_index)
-    trajectories = tag_attempt(trajectories, attempt)
+    trajectories = mark_staleness(tag_attempt(trajectories, attempt), staleness)
     if not trajectories:
         raise RuntimeError(f"rollout_{round_index} produced no trajectory (train scenarios: {len(order)}); earlier "
                            "outputs were left as they are")
@@ -144,7 +159,8 @@ def run(params: Params, layout: Layout, round_index: int) -> dict[str, Any]:
     metrics.update({"round": round_index, "steps": len(frame), "wall_time_s": elapsed, "generation_batches": batches,
                     "informative_groups": informative, "batch_full": informative >= cfg.scenarios_per_round,
                     "sampled_tokens_per_s": tokens / max(elapsed, 1e-9), "skills_in_prompt": program.active,
-                    "engine": engine_stats, "skills_live": len(bank.live), "skills_candidates": len(bank.candidates),
+                    "engine": engine_stats, "policy_version": version, "staleness": staleness,
+                    "skills_live": len(bank.live), "skills_candidates": len(bank.candidates),
                     "skill_tests": {test or "none": int(n) for test, n in
                                     trials.drop_duplicates("group_id")["test"].value_counts().items()}})
     outputs = [layout.steps(round_index), layout.skill_trials(round_index), layout.round_metrics(round_index, "rollout")]

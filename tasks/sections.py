@@ -44,9 +44,13 @@ class PipelineConfig:
     """MLflow experiment name."""
     registered_model: str = "arlflow-policy"
     """MLflow registered model name for the round policies."""
+    max_staleness: int = 0
+    """Asynchronous rounds: rollout of round r samples with round max(0, r - 1 - k)'s policy (0 = the warm start)
+    while train_r starts from round r - 1's, so with k >= 1 rollout_{r+1} runs alongside train_r under `arlflow
+    pipeline` (the dvc.yaml DAG says so; `dvc repro` runs the same stages one by one). 0 = synchronous rounds."""
 
     def __post_init__(self) -> None:
-        check_config(self, rounds="positive", seed="non_negative")
+        check_config(self, rounds="positive", seed="non_negative", max_staleness="non_negative")
         for name in ("experiment", "registered_model"):
             if not getattr(self, name).strip():
                 raise ConfigValueError(name, getattr(self, name), "a non-empty name")
@@ -165,9 +169,14 @@ class TrainConfig:
     """SIRI internalization (coef > 0): after the policy-gradient passes, one weighted-SFT pass on the prompts WITHOUT
     the skill of beneficial skill-guided steps of validated skills. 0 = off."""
     lora: AdapterConfig = AdapterConfig()
+    staleness_limit: int = -1
+    """Steps sampled more than this many rounds before the policy being trained (their ``staleness``) are dropped
+    before training (pipeline.max_staleness > 0); -1 = keep every step. The loss corrects the rest (loss.off_policy)."""
 
     def __post_init__(self) -> None:
         check_choice(self, "layout", TRAIN_LAYOUTS)
+        if self.staleness_limit < -1:
+            raise ConfigValueError("staleness_limit", self.staleness_limit, "-1 (keep every step) or a count >= 0")
 
 
 @dataclass(frozen=True)

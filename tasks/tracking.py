@@ -23,6 +23,7 @@ import os
 import re
 import sqlite3
 import subprocess
+import threading
 import time
 import uuid
 from collections.abc import Iterator, Mapping
@@ -48,6 +49,8 @@ from tasks.layout import Layout, workspace_root
 
 PARENT_ENV = "ARLFLOW_MLFLOW_PARENT_RUN_ID"
 SESSION_ENV = "ARLFLOW_MLFLOW_SESSION"
+_OPENING_PARENT = threading.Lock()
+"""Held while a stage looks for its parent run and opens it if absent (stages of one process may run in threads)."""
 # The experiment kind (a model-training experiment, not GenAI), as MLflow's UI sets it when a user picks one. MLflow
 # 3.17's UI opens experiments by its sidebar switch instead (?workflowType=machine_learning: the README's link).
 EXPERIMENT_KIND_TAG, EXPERIMENT_KIND = "mlflow.experimentKind", "custom_model_development"
@@ -261,16 +264,18 @@ def _session_parent(key: str) -> str | None:
 
 
 def _find_or_create_parent(layout: Layout, params: Params, name: str) -> str:
+    """The parent run a stage run nests under; stages running at once (pipeline.max_staleness >= 1) open one."""
     explicit = os.environ.get(PARENT_ENV)
     if explicit:
         return explicit
     pipeline = os.environ.get(SESSION_ENV)
     key = pipeline or _dvc_session_key()
-    if key is not None and (found := _session_parent(key)) is not None:
-        return found
-    tags = {"arlflow.kind": "pipeline", "arlflow.session": key or "none", **git_tags(layout.root)}
-    with mlflow.start_run(run_name="pipeline" if pipeline else "dvc-repro" if key else name, tags=tags) as run:
-        mlflow.log_params(flat_params(params))
+    with _OPENING_PARENT:
+        if key is not None and (found := _session_parent(key)) is not None:
+            return found
+        tags = {"arlflow.kind": "pipeline", "arlflow.session": key or "none", **git_tags(layout.root)}
+        with mlflow.start_run(run_name="pipeline" if pipeline else "dvc-repro" if key else name, tags=tags) as run:
+            mlflow.log_params(flat_params(params))
     return run.info.run_id
 
 

@@ -76,7 +76,7 @@ def training_rows(frame: pd.DataFrame, cfg: TrainConfig, tokenizer, trials: pd.D
     if cfg.layout == "step_rows":
         rows = [TrainRow(list(r.prompt_ids), list(r.response_ids), list(r.logprobs),
                          result.token_advantages[i, :len(r.response_ids)].tolist(),
-                         _choices(getattr(r, "action_choices", None)))
+                         _choices(getattr(r, "action_choices", None)), int(getattr(r, "staleness", 0)))
                 for i, r in enumerate(frame.itertuples(index=False))]
         return rows, result.metrics, result
     if "action_choices" in frame and any(len(c) for c in frame["action_choices"]):
@@ -86,13 +86,26 @@ def training_rows(frame: pd.DataFrame, cfg: TrainConfig, tokenizer, trials: pd.D
     rows = []
     for _, steps in frame.sort_values(["trajectory_id", "step_index"]).groupby("trajectory_id", sort=False):
         spec = concatenated(list(steps.itertuples(index=False)), tokenizer)
-        rows.append(spec._replace(step_advantages=tuple(steps["_advantage"]), success=bool(steps["won"].iloc[0])))
+        stale = int(steps["staleness"].max()) if "staleness" in steps else 0
+        rows.append(spec._replace(step_advantages=tuple(steps["_advantage"]), success=bool(steps["won"].iloc[0]),
+                                  staleness=stale))
     return rows, result.metrics, result
 
 
 def _choices(value) -> list[list[int]] | None:
     """A step's constrained-decoding choices as lists, or None (free decoding; frames without the column)."""
     return [list(c) for c in value] if value is not None and len(value) else None
+
+
+def drop_stale(frame: pd.DataFrame, limit: int) -> tuple[pd.DataFrame, dict[str, float]]:
+    """train.staleness_limit: keep the steps sampled at most ``limit`` rounds stale (-1 keeps all); the counts go to
+    train.json (`stale_steps_dropped`, and the steps per staleness before the filter)."""
+    staleness = frame["staleness"] if "staleness" in frame else pd.Series(0, index=frame.index)
+    metrics = {f"steps_staleness_{int(k)}": int(n) for k, n in staleness.value_counts().sort_index().items()}
+    if limit < 0:
+        return frame, metrics
+    keep = staleness <= limit
+    return frame[keep].reset_index(drop=True), {**metrics, "stale_steps_dropped": int((~keep).sum())}
 
 
 def guided_steps(frame: pd.DataFrame, trials: pd.DataFrame, row_advantages: torch.Tensor, *, tau: float = 0.0,
@@ -168,8 +181,9 @@ def run(params: Params, layout: Layout, round_index: int) -> dict[str, Any]:
     target, metrics_path = layout.policy(f"round_{round_index}"), layout.round_metrics(round_index, "train")
     checkpoints = layout.train_checkpoints(round_index)
     with staged_outputs(layout.root, f"train_{round_index}", [target, metrics_path]) as out:
+        frame, stale_metrics = drop_stale(frame, cfg.staleness_limit)
         frame, metrics = apply_filters(frame, cfg.filters)
-        metrics = {"round": round_index, "rows": len(frame), **metrics}
+        metrics = {"round": round_index, "rows": len(frame), **stale_metrics, **metrics}
         if len(frame) == 0:
             log.info("train round %d: no steps left after the filters: the policy is kept as it was", round_index)
             metrics["skipped_no_signal"] = 1

@@ -1,6 +1,8 @@
 """Shared fixtures: a tiny tokenizer + Qwen2 policy built once per session into a temporary folder."""
 from __future__ import annotations
 
+import os
+
 import pytest
 
 pytest_plugins = ["tests.servers"]  # PostgreSQL and S3 servers, one per session
@@ -27,3 +29,13 @@ def tiny_policy_dir(tmp_path_factory):
     tokenizer = train_tokenizer(ENV_LIKE_TEXTS, vocab_size=320)
     model = build_model(tokenizer, TinyModelConfig(arch="qwen2", hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128, max_position_embeddings=256), seed=0)
     return save_policy(model, tokenizer, tmp_path_factory.mktemp("policy") / "tiny")
+
+
+@pytest.fixture(scope="session")
+def prefect_harness(tmp_path_factory):
+    """A temporary Prefect server/database for the flows under test (Prefect's own test harness), one per session."""
+    os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=120):
+        yield

@@ -12,7 +12,8 @@ def full_trajectory(tid: str = "full") -> TrajectoryRecord:
         response_text=" skill 1", reward=0.5, anchor="(1, 2)", policy_version="v3", action_valid=False,
         truncated=True, skill_ids=["walk", "look"], context_manager="fold", tool_calls=2, tool_successes=1,
         process_reward=-0.1, retokenized=True, plain_prompt_ids=[3 + k, 4], macro_prompt_ids=[[3], [], [5, 6]],
-        macro_action_ids=[[9, 0], [10, 0], [11]], action_choices=[[7, -8, 0], [5, 0]], prefix_break=True)
+        macro_action_ids=[[9, 0], [10, 0], [11]], action_choices=[[7, -8, 0], [5, 0]], prefix_break=True,
+        staleness=2)
         for k in range(2)]
     unchanged = {f.name for f in STEP_FIELDS if f.has_default and getattr(steps[0], f.name) == f.default}
     assert not unchanged, f"full_trajectory leaves {unchanged} at their defaults: set them"

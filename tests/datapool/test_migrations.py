@@ -1,5 +1,5 @@
-"""Version 4 -> 7: a pool and a steps file written before the skill trace (5), the constrained-decoding mask (6) and
-the prefix_break flag (7) became step fields still open and read.
+"""Version 4 -> 8: a pool and a steps file written before the skill trace (5), the constrained-decoding mask (6),
+the prefix_break flag (7) and the staleness count (8) became step fields still open and read.
 
 The version-4 tables are the exact DDL arlflow 4 created (``CREATE TABLE`` as SQLAlchemy compiled it for each
 backend), filled with raw SQL; the version-4 Parquet layout is its hand-written Arrow schema. Pool tests run on
@@ -99,19 +99,20 @@ def _fresh_url(pool_url: str, request: pytest.FixtureRequest, tmp_path: Path) ->
     return request.getfixturevalue("postgres_database")()
 
 
-def test_a_version_4_pool_opens_migrated_to_7_and_reads(pool_url: str, request: pytest.FixtureRequest,
+def test_a_version_4_pool_opens_migrated_to_8_and_reads(pool_url: str, request: pytest.FixtureRequest,
                                                          tmp_path: Path) -> None:
     _write_v4_pool(pool_url)
-    assert SCHEMA_VERSION == 7
+    assert SCHEMA_VERSION == 8
     with DataPool(pool_url) as pool:
         with pool.engine.connect() as conn:
-            assert conn.execute(text("SELECT version FROM schema_version")).scalar() == 7
+            assert conn.execute(text("SELECT version FROM schema_version")).scalar() == 8
         old = pool.get_trajectory("old")
         assert [s.prompt_ids for s in old.steps] == [[1, 2, 0], [1, 2, 1]] and old.won and old.round == 2
         assert all(s.plain_prompt_ids == [] and s.macro_prompt_ids == [] and s.macro_action_ids == []
                    for s in old.steps)  # older steps: no skill trace
         assert all(s.action_choices == [] for s in old.steps)  # and free decoding
         assert all(s.prefix_break is False for s in old.steps)  # and unflagged
+        assert all(s.staleness == 0 for s in old.steps)  # and sampled on-policy
         assert old.steps[0].tool_calls == 1 and old.steps[0].process_reward == pytest.approx(0.1)
         frame = pool.steps_frame()
         assert frame["excluded"].tolist() == [False, True]  # curation kept
@@ -170,10 +171,11 @@ def test_a_layout_4_steps_file_reads_with_an_empty_skill_trace_and_imports(tmp_p
     assert metadata["schema_version"] == 4 and list(df.columns) == STEPS_SCHEMA.names
     assert df["plain_prompt_ids"].tolist() == [[], []] and df["macro_action_ids"].tolist() == [[], []]
     assert df["action_choices"].tolist() == [[], []] and df["prefix_break"].tolist() == [False, False]
+    assert df["staleness"].tolist() == [0, 0]
     assert df["round"].dtype == "int32" and df["round"].tolist() == [2, 2]  # read as today's type
     export_steps(df, tmp_path / "current.parquet", metadata=metadata)  # re-exports as the current layout, unchanged
     again, meta = read_steps(tmp_path / "current.parquet")
-    assert meta["schema_version"] == 7 and again.equals(df)
+    assert meta["schema_version"] == 8 and again.equals(df)
     with DataPool(str(tmp_path / "pool.db")) as pool:
         assert import_steps(path, pool) == 1
         back = pool.get_trajectory("t")

@@ -37,7 +37,7 @@ def test_round_trip_with_schema_and_metadata(tmp_path: Path) -> None:
     path = tmp_path / "round_2.parquet"
     assert export_steps(frame(), path, metadata={"round": 2, "policy_version": "v1"}) == path
     df, metadata = read_steps(path)
-    assert metadata == {"round": 2, "policy_version": "v1", "schema_version": 7, "num_rows": 3}
+    assert metadata == {"round": 2, "policy_version": "v1", "schema_version": 8, "num_rows": 3}
     assert df["prompt_ids"].tolist() == [[1, 2, 3]] * 3 and df["skill_ids"].tolist() == [["seq-a-b"]] * 3
     assert df["logprobs"].tolist() == [[-0.5, -0.25]] * 3
     assert df["tool_calls"].tolist() == [2] * 3 and df["tool_successes"].tolist() == [1] * 3
@@ -131,7 +131,7 @@ V1_NAMES = [name for name in STEPS_SCHEMA.names if name not in ADDED_COLUMNS]
 def test_a_version_1_file_reads_with_the_added_columns_filled(tmp_path: Path) -> None:
     """A file written before tool counts, shaping, process rewards and the retokenized/excluded flags existed
     (layout 1, by hand) reads with 0 / 0 / 0.0 / 0.0 / False / False."""
-    assert STEPS_SCHEMA_VERSION == 7
+    assert STEPS_SCHEMA_VERSION == 8
     v1_schema = pa.schema([STEPS_SCHEMA.field(name) for name in V1_NAMES])
     table = pa.Table.from_pandas(frame(2)[V1_NAMES], schema=v1_schema, preserve_index=False)
     path = tmp_path / "old.parquet"
@@ -148,7 +148,7 @@ def test_a_version_1_file_reads_with_the_added_columns_filled(tmp_path: Path) ->
     # and it re-exports as the current layout unchanged
     export_steps(df, tmp_path / "new.parquet", metadata=metadata)
     again, meta2 = read_steps(tmp_path / "new.parquet")
-    assert meta2["schema_version"] == 7 and again.equals(df)
+    assert meta2["schema_version"] == 8 and again.equals(df)
 
 
 def test_a_frame_without_the_added_columns_exports_with_defaults(tmp_path: Path) -> None:

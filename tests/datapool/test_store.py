@@ -269,11 +269,11 @@ def test_a_version_1_pool_is_migrated_in_place(tmp_path: Path) -> None:
                      (encode_ids([1, 2]), encode_ids([3, 4]), encode_logprobs([-0.5, -0.25])))
     conn.close()
 
-    assert SCHEMA_VERSION == 7
+    assert SCHEMA_VERSION == 8
     # 1 -> 2 (tool counts) -> 3 (process reward) -> 4 (gateway) -> 5 (skill trace) -> 6 (action choices) -> 7 (prefix_break)
     with DataPool(str(db)) as pool:
         with pool.engine.connect() as conn:
-            assert conn.execute(text("SELECT id, version FROM schema_version")).all() == [(1, 7)]
+            assert conn.execute(text("SELECT id, version FROM schema_version")).all() == [(1, 8)]
         old = pool.steps_frame()
         assert old["trajectory_id"].tolist() == ["old"] and old["response_ids"].tolist() == [[3, 4]]
         assert old["tool_calls"].tolist() == [0] and old["tool_successes"].tolist() == [0]

@@ -237,10 +237,10 @@ def test_a_version_3_pool_is_migrated_to_the_current_version(pool_url: str) -> N
                 conn.execute(text(f"ALTER TABLE steps DROP COLUMN {column}"))
             conn.execute(text("ALTER TABLE trajectories DROP COLUMN created_at"))
             conn.execute(text("UPDATE schema_version SET version = 3"))
-    assert SCHEMA_VERSION == 7
+    assert SCHEMA_VERSION == 8
     with DataPool(pool_url) as pool:
         with pool.engine.connect() as conn:
-            assert conn.execute(text("SELECT version FROM schema_version")).scalar() == 7
+            assert conn.execute(text("SELECT version FROM schema_version")).scalar() == 8
         old = pool.get_trajectory("old")
         assert old.steps[0].retokenized is False and old.num_steps == 1
         pool.curate("old", step_index=0, excluded=True)  # the new tables exist

@@ -4,7 +4,6 @@ runs once for the module (~200 s): `finished` is its project."""
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 import time
@@ -16,12 +15,11 @@ import pytest
 import yaml
 from safetensors.torch import load_file
 
-from flows.dvc_sync import render_dvc_yaml
-from tasks.config import params_to_dict, parse_params
+from tasks.config import parse_params
 from tasks.layout import Layout
+from tests.projects import make_project
 
 REPO = Path(__file__).resolve().parents[2]
-CODE = ["envs", "agents", "models", "tasks", "skills", "datapool", "flows"]
 SUMMARY_KEYS = {"success_rate", "mean_return", "mean_steps", "mean_response_tokens", "episodes"}
 
 TINY = {
@@ -36,21 +34,6 @@ TINY = {
     # SmolLM2 in transfer is tests/tasks/test_real_model.py's (the same pretrained_report); here it would add ~60 s
     "transfer": {"model": {"hidden_size": 64, "intermediate_size": 128}, "pretrained": []},
 }
-
-
-def make_project(root: Path, raw: dict) -> Layout:
-    for name in CODE:
-        shutil.copytree(REPO / name, root / name, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
-    shutil.copytree(REPO / "infra", root / "infra")
-    shutil.copy(REPO / ".gitignore", root / ".gitignore")  # git holds code, params and dvc.lock; DVC the rest
-    # DVC tracks whole sections, so the file holds every key (defaults filled in), as the repo's params.yaml does
-    (root / "params.yaml").write_text(yaml.safe_dump(params_to_dict(parse_params(raw)), sort_keys=False))
-    layout = Layout(root)
-    (root / "dvc.yaml").write_text(render_dvc_yaml(parse_params(raw), layout))
-    (root / ".dvcignore").write_text("__pycache__/\n*.pyc\n")
-    subprocess.run(["git", "init", "-q"], cwd=root, check=True)
-    subprocess.run([str(Path(sys.executable).parent / "dvc"), "init", "-q"], cwd=root, check=True)
-    return layout
 
 
 def weights(path: Path) -> dict:

@@ -3,7 +3,6 @@ tags, retries on rollout only, skipped stages in the state Skipped, artifacts, t
 results table `arlflow pipeline` prints. The stages are stand-ins: the Prefect wiring is what is under test."""
 import json
 import logging
-from contextlib import contextmanager
 
 import pytest
 import yaml
@@ -14,7 +13,6 @@ from flows.cli import app
 from flows.stages import STAGE_FUNCTIONS
 from tasks.config import params_to_dict, parse_params
 from tasks.layout import Layout
-from tasks.tracking import ParentRun
 
 STALE = {"rollout_1", "validate_1", "mine_1"}    # the stages that run; DVC "sees" every other one as fresh
 EVALUATION = {"heldout_scenarios": 4, "seed": 7,
@@ -51,25 +49,15 @@ def fake_stage(attempts: dict):
     return execute_stage
 
 
-@contextmanager
-def no_mlflow_run(layout, params):
-    yield ParentRun("no-mlflow")
-
-
 @pytest.fixture
-def probe_project(tmp_path, monkeypatch):
+def probe_project(tmp_path, stand_in_stages):
     params = parse_params({"pipeline": {"rounds": 1, "seed": 7, "experiment": "Views_Probe"}})
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(params_to_dict(params)))
     layout = Layout(tmp_path)
     layout.evaluate_metrics.parent.mkdir(parents=True)
     layout.evaluate_metrics.write_text(json.dumps(EVALUATION))
     attempts: dict = {}
-    monkeypatch.setattr(pipeline, "execute_stage", fake_stage(attempts))
-    monkeypatch.setattr(pipeline, "pipeline_run", no_mlflow_run)
-    monkeypatch.setattr(pipeline, "RETRY_BACKOFF_S", 0)
-    monkeypatch.setattr(pipeline.dvc_sync, "check_dvc_yaml", lambda params, layout: None)
-    monkeypatch.setattr(pipeline.dvc_sync, "is_stale", lambda layout, name: name in STALE)
-    monkeypatch.setattr(pipeline.dvc_sync, "commit", lambda layout, name: None)
+    stand_in_stages(fake_stage(attempts), lambda name: name in STALE)
     return tmp_path, attempts
 
 

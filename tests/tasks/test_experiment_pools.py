@@ -301,7 +301,7 @@ SMALL = {"pipeline": {"rounds": 1, "seed": 3},
 def test_the_rollout_stage_of_an_experiment_keeps_its_data_apart(tmp_path):
     from datapool.parquet import read_steps
     from tasks import bootstrap, rollout, warmstart
-    from tests.flows.test_pipeline_e2e import make_project
+    from tests.projects import make_project
 
     layout, params = make_project(tmp_path, SMALL), parse_params(SMALL)
     for run in (bootstrap.run, warmstart.run, lambda p, lay: rollout.run(p, lay, 1)):  # the baseline, in-process
