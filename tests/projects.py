@@ -1,6 +1,7 @@
 """A project like a clone of this repository, for tests and benchmarks that run the pipeline under real DVC."""
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -34,3 +35,12 @@ def make_project(root: Path, raw: dict) -> Layout:
     subprocess.run(["git", "init", "-q"], cwd=root, check=True)
     subprocess.run([str(Path(sys.executable).parent / "dvc"), "init", "-q"], cwd=root, check=True)
     return layout
+
+
+def stage_env(**extra: str) -> dict[str, str]:
+    """The environment for `dvc repro` / `arlflow stage` subprocesses: the venv's tools on PATH, and none of this
+    test process's Prefect server or torch.distributed group (it already holds MASTER_PORT)."""
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}", **extra}
+    for inherited in ("PREFECT_API_URL", "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(inherited, None)
+    return env

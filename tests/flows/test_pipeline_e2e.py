@@ -2,7 +2,6 @@
 and the finished run shared through an S3 remote (SeaweedFS) into a fresh clone that reproduces it. The pipeline
 runs once for the module (~200 s): `finished` is its project."""
 import json
-import os
 import re
 import subprocess
 import sys
@@ -17,7 +16,7 @@ from safetensors.torch import load_file
 
 from tasks.config import parse_params
 from tasks.layout import Layout
-from tests.projects import make_project
+from tests.projects import make_project, stage_env
 
 REPO = Path(__file__).resolve().parents[2]
 SUMMARY_KEYS = {"success_rate", "mean_return", "mean_steps", "mean_response_tokens", "episodes"}
@@ -38,15 +37,6 @@ TINY = {
 
 def weights(path: Path) -> dict:
     return load_file(str(path / "model.safetensors"))
-
-
-def stage_env(**extra: str) -> dict[str, str]:
-    """The environment for `dvc repro` / `arlflow stage` subprocesses: the venv's tools on PATH, and none of this
-    test process's Prefect server or torch.distributed group (it already holds MASTER_PORT)."""
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}", **extra}
-    for inherited in ("PREFECT_API_URL", "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(inherited, None)
-    return env
 
 
 @pytest.fixture(scope="module")

@@ -153,7 +153,7 @@ def test_a_push_cut_off_by_the_server_completes_on_retry_with_every_object_whole
     try:
         bucket = "arlflow-cut"
         server.client().create_bucket(Bucket=bucket)
-        files = {f"part_{i:02d}.bin": os.urandom(2_000_000) for i in range(40)}  # 80 MB, ~10 s to push here
+        files = {f"part_{i:03d}.bin": os.urandom(2_000_000) for i in range(100)}  # 200 MB: a push outlasts the polling
         root = dvc_project(tmp_path / "project", files)
         env = server.env()
         assert remote(root, "add", f"s3://{bucket}/run", "--endpoint", server.endpoint, env=env).returncode == 0

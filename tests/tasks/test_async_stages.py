@@ -11,7 +11,6 @@ The scheduling (DVC graph, Prefect overlap) is tests/flows/test_async_rounds.py;
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import io
 import subprocess
@@ -25,7 +24,7 @@ import pytest
 from flows.stages import run_stage_functions
 from tasks.config import parse_params
 from tasks.layout import Layout
-from tests.projects import make_project
+from tests.projects import make_project, stage_env
 from tests.tasks.test_no_data_loss import TINY, digest
 
 pytestmark = pytest.mark.slow
@@ -74,7 +73,7 @@ def runs(tmp_path_factory):
     before = None
     if code is not None:
         (tmp / "before").mkdir()
-        env = {**os.environ, "PYTHONPATH": str(code)}
+        env = stage_env(PYTHONPATH=str(code))   # not this process's torch.distributed group (its MASTER_PORT)
         before = subprocess.Popen([sys.executable, "-c", OLD_CODE_RUN, json.dumps(tiny(None)), str(tmp / "before"),
                                    ",".join(STAGES)], cwd=code, env=env, stdout=subprocess.PIPE,
                                   stderr=subprocess.PIPE, text=True)
