@@ -191,6 +191,8 @@ def truncated_is_weights(prox_logp: Tensor, behaviour_logp: Tensor, stale_rows: 
     of tokens whose untruncated weight exceeds the cap; 1.0, 1.0, 0.0 when there are none, every weight being 1).
     """
     with torch.no_grad():
+        if not bool(stale_rows.any()):                                      # the usual case: no work per token
+            return torch.ones_like(prox_logp), dict(NO_STALE_WEIGHT_METRICS)
         weighted = mask.bool() & stale_rows.to(mask.device).bool()[:, None]  # [B, L]
         log_ratio = torch.where(weighted, prox_logp - behaviour_logp, torch.zeros_like(prox_logp))  # [B, L]
         raw = torch.exp(log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))  # [B, L]
