@@ -27,7 +27,9 @@ tests/datapool/gateway/test_upstreams.py, and live against vLLM's CPU build (0.3
 Connections: vLLM closes idle HTTP connections after 5 s (`VLLM_HTTP_TIMEOUT_KEEP_ALIVE`); a client that keeps them
 as long races the server and sees "Server disconnected without sending a response" on a reused one. The pool keeps
 idle connections `keepalive_s` (2 s) and retries a request once, on the same upstream, when its connection dropped
-before any byte of the answer came back (also with a single upstream: nothing was answered, so nothing is lost).
+before the answer came back (also with a single upstream: nothing was answered, so nothing is lost). A drop is either
+a close (FIN: "Server disconnected without sending a response") or, when the server closed with the request still
+unread in its buffer, a reset (RST: "Connection reset by peer").
 """
 from __future__ import annotations
 
@@ -226,6 +228,18 @@ class UpstreamState:
     failures: int = 0          # of those, failed (connection, timeout, 5xx, 429, unparseable)
 
 
+def _dropped_unanswered(exc: httpx.TransportError) -> bool:
+    """Whether a POST failed because the server dropped the connection (closed or reset it) with no answer."""
+    if isinstance(exc, httpx.RemoteProtocolError):
+        return "without sending a response" in str(exc)
+    cause: BaseException | None = exc
+    while cause is not None:
+        if isinstance(cause, ConnectionResetError):
+            return True
+        cause = cause.__cause__ or cause.__context__
+    return "reset by peer" in str(exc)
+
+
 class _RetryableFailure(Exception):
     """One attempt failed in a way another upstream may not: try the next one."""
 
@@ -408,11 +422,11 @@ class OpenAIUpstreamPool:
             try:
                 response = self._client.post(f"{base_url}/completions", json=body)
                 break
-            except httpx.RemoteProtocolError as exc:   # a reused connection the server had already closed
-                if attempt == 0 and "without sending a response" in str(exc):
+            except (httpx.RemoteProtocolError, httpx.ReadError) as exc:
+                if attempt == 0 and _dropped_unanswered(exc):
                     continue
                 raise _RetryableFailure(f"{type(exc).__name__}: {exc}", mark_down=True) from exc
-            except httpx.TransportError as exc:        # refused, reset, timeout, protocol error
+            except httpx.TransportError as exc:        # refused, timeout, other protocol errors
                 raise _RetryableFailure(f"{type(exc).__name__}: {exc}", mark_down=True) from exc
         if response.status_code >= 500:
             raise _RetryableFailure(f"HTTP {response.status_code}: {response.text[:200]}", mark_down=True)
