@@ -11,9 +11,14 @@ when the stage function has returned are they swapped in, together, under a comm
 A stage that raises, or a process killed before step 2, leaves every target byte-identical (the temporaries are
 removed, or swept by the next attempt). A process killed during steps 3-4 leaves a journal, and `recover` (run
 before every stage) rolls the commit forward, so a reader never sees outputs of two different runs mixed.
+
+Stages of asynchronous rounds run at the same time (threads of one flow, or processes): steps 2-4 and `recover` hold
+an exclusive lock on ``.arlflow/commits/.lock`` (flock: per open file, so threads exclude each other too, and a killed
+process releases it), so `recover` never rolls forward, and deletes, the journal of a commit that is still running.
 """
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shutil
@@ -81,13 +86,30 @@ def _roll_forward(journal: Path) -> None:
     journal.unlink(missing_ok=True)
 
 
+@contextmanager
+def _commit_lock(root: Path) -> Iterator[None]:
+    """Exclusive while a commit or a recovery runs under ``root`` (see the module docstring)."""
+    folder = Path(root) / JOURNAL_DIR
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / ".lock", "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 def recover(root: Path) -> list[str]:
-    """Roll forward every commit a killed stage left half-done under ``root``; the stages it finished."""
+    """Roll forward every commit a killed stage left half-done under ``root``; the stages it finished. A commit
+    still running in another thread or process is waited for, not rolled forward under it."""
     folder = root / JOURNAL_DIR
+    if not folder.is_dir():
+        return []
     done = []
-    for journal in sorted(folder.glob("*.json")) if folder.is_dir() else []:
-        _roll_forward(journal)
-        done.append(journal.stem)
+    with _commit_lock(root):
+        for journal in sorted(folder.glob("*.json")):
+            _roll_forward(journal)
+            done.append(journal.stem)
     return done
 
 
@@ -125,8 +147,9 @@ class StagedOutputs:
         if not entries:
             return
         journal = self.root / JOURNAL_DIR / f"{self.stage}.json"
-        _write_journal(journal, entries)
-        _roll_forward(journal)
+        with _commit_lock(self.root):
+            _write_journal(journal, entries)
+            _roll_forward(journal)
 
     def abort(self) -> None:
         for tmp in self._tmp.values():
