@@ -113,7 +113,7 @@ class WarmstartConfig:
     its skills are candidates the first rollout validates, with skills.validate); this fraction of the scenarios is
     demonstrated a second time showing its skills, calling a shown macro wherever it is what the expert does next
     (every scenario keeps its plain demonstration). 0 = off."""
-    update: UpdateConfig = UpdateConfig(epochs=3, micro_batch_size=64)
+    update: UpdateConfig = UpdateConfig(epochs=10, micro_batch_size=64)
     optimizer: OptimizerConfig = OptimizerConfig(lr=1e-3)
     lora: AdapterConfig = AdapterConfig()
     """LoRA adapters for the warm-start SFT (merged into the saved policy); r 0 = full fine-tuning."""
@@ -162,7 +162,7 @@ class TrainConfig:
     advantage: AdvantageConfig = AdvantageConfig()
     loss: LossConfig = LossConfig(clip_high=0.28)
     update: UpdateConfig = UpdateConfig(epochs=2, micro_batch_size=128, checkpoint_every=20)
-    optimizer: OptimizerConfig = OptimizerConfig(lr=3e-4)
+    optimizer: OptimizerConfig = OptimizerConfig(lr=1e-4)
     filters: FilterConfig = FilterConfig(overlong_max_tokens=64, overlong_buffer_tokens=16)
     aux: AuxConfig = AuxConfig()
     internalize: InternalizeConfig = InternalizeConfig(coef=0.0)
