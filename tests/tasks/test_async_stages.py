@@ -47,9 +47,11 @@ print(flows.stages.__file__)
 
 
 def tiny(k: int | None) -> dict:
-    """The tiny config with 2 rounds; k None leaves max_staleness out (BEFORE_ASYNC's params know no such key)."""
+    """The tiny config with 2 rounds; k None leaves max_staleness out (BEFORE_ASYNC's params know no such key).
+    Every value whose default changed since BEFORE_ASYNC is spelled out, so both codes train with the same values."""
     staleness = {} if k is None else {"max_staleness": k}
-    return {**TINY, "pipeline": {**TINY["pipeline"], "rounds": 2, **staleness}}
+    train = {**TINY["train"], "optimizer": {"lr": 1e-4}}    # BEFORE_ASYNC's default lr was 3e-4
+    return {**TINY, "pipeline": {**TINY["pipeline"], "rounds": 2, **staleness}, "train": train}
 
 
 def old_code(tmp: Path) -> Path | None:
