@@ -32,6 +32,66 @@ def import_deepspeed():
 
     return deepspeed
 
+
+def _open_files_of(uid: int) -> set[tuple[int, int]] | None:
+    """(device, inode) of every file the processes of user ``uid`` hold open; None where one cannot be read."""
+    held: set[tuple[int, int]] = set()
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            if proc.stat().st_uid != uid:
+                continue
+            fds = list((proc / "fd").iterdir())
+        except FileNotFoundError:  # the process ended meanwhile
+            continue
+        except PermissionError:
+            return None
+        for fd in fds:
+            with contextlib.suppress(OSError):
+                st = fd.stat()
+                held.add((st.st_dev, st.st_ino))
+    return held
+
+
+def clear_stale_build_locks(root: str | Path | None = None) -> list[Path]:
+    """Removes the build locks of torch JIT extensions (DeepSpeed's CPU ops) that no live process holds; the removed.
+
+    torch's FileBaton creates ``<op build dir>/lock`` with O_EXCL, holds it open while it checks or builds
+    the op, and removes it when done; every other process loading the op polls until the file is gone, with no
+    timeout. A process SIGKILLed inside that window (a killed stage, the OOM killer) leaves the file behind, and
+    every later DeepSpeed start on the machine hangs without a word. A lock is stale when no process of the user who
+    created it holds it open (Linux /proc). Where that cannot be told (no /proc, another user's processes
+    unreadable) nothing is removed and the lock is named in a warning, with what to do."""
+    root = Path(root or os.environ.get("TORCH_EXTENSIONS_DIR") or "")
+    if not str(root):
+        from torch.utils.cpp_extension import get_default_build_root
+
+        root = Path(get_default_build_root())
+    removed: list[Path] = []
+    # <TORCH_EXTENSIONS_DIR>/<op>/lock where that variable is set, else <default root>/<py311_cpu>/<op>/lock
+    for lock in sorted([*root.glob("*/lock"), *root.glob("*/*/lock")]):
+        try:
+            st = lock.stat()
+        except FileNotFoundError:  # released meanwhile
+            continue
+        held = _open_files_of(st.st_uid) if Path("/proc/self/fd").is_dir() else None
+        if held is None:
+            log.warning("%s exists: if no process is building or loading that torch extension now, remove it "
+                        "(a killed process leaves it behind, and DeepSpeed then waits for it forever)", lock)
+            continue
+        if (st.st_dev, st.st_ino) in held:
+            continue
+        with contextlib.suppress(FileNotFoundError):
+            again = lock.stat()
+            if (again.st_dev, again.st_ino) == (st.st_dev, st.st_ino):  # still the lock judged stale
+                lock.unlink()
+                removed.append(lock)
+                log.warning("removed %s: a stale torch-extension build lock that no process holds (left by a "
+                            "process killed while it loaded the op); DeepSpeed would have waited for it forever", lock)
+    return removed
+
+
 DEEPSPEED_CONFIG_DIR = Path(__file__).resolve().parents[1] / "infra" / "deepspeed"
 
 
@@ -165,6 +225,7 @@ def make_ds_engine(
         raise ValueError(f"config has a 'scheduler' section and lr_schedule={cfg.lr_schedule!r}/warmup_steps="
                          f"{cfg.warmup_steps} were set too: keep one of the two")
     deepspeed = import_deepspeed()
+    clear_stale_build_locks()
     if not deepspeed.comm.is_initialized() and not torch.cuda.is_available():
         log.info("starting DeepSpeed on the CPU (a machine's first run builds its shared-memory communication op: "
                  "~1-2 min without output, cached after) ...")
