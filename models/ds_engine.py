@@ -63,19 +63,20 @@ def clear_stale_build_locks(root: str | Path | None = None) -> list[Path]:
     every later DeepSpeed start on the machine hangs without a word. A lock is stale when no process of the user who
     created it holds it open (Linux /proc). Where that cannot be told (no /proc, another user's processes
     unreadable) nothing is removed and the lock is named in a warning, with what to do."""
-    root = Path(root or os.environ.get("TORCH_EXTENSIONS_DIR") or "")
-    if not str(root):
-        from torch.utils.cpp_extension import get_default_build_root
+    from torch.utils.cpp_extension import get_default_build_root
 
-        root = Path(get_default_build_root())
+    root = Path(root or os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root())
     removed: list[Path] = []
+    held_by: dict[int, set[tuple[int, int]] | None] = {}  # one /proc scan per lock owner, and none without a lock
     # <TORCH_EXTENSIONS_DIR>/<op>/lock where that variable is set, else <default root>/<py311_cpu>/<op>/lock
     for lock in sorted([*root.glob("*/lock"), *root.glob("*/*/lock")]):
         try:
             st = lock.stat()
         except FileNotFoundError:  # released meanwhile
             continue
-        held = _open_files_of(st.st_uid) if Path("/proc/self/fd").is_dir() else None
+        if st.st_uid not in held_by:
+            held_by[st.st_uid] = _open_files_of(st.st_uid) if Path("/proc/self/fd").is_dir() else None
+        held = held_by[st.st_uid]
         if held is None:
             log.warning("%s exists: if no process is building or loading that torch extension now, remove it "
                         "(a killed process leaves it behind, and DeepSpeed then waits for it forever)", lock)
