@@ -29,6 +29,11 @@ SECRET_OPTIONS = ("access_key_id", "secret_access_key", "session_token")
 REFUSED_CODES = {"SignatureDoesNotMatch", "InvalidAccessKeyId", "AccessDenied", "InvalidToken", "ExpiredToken",
                  "403", "Forbidden"}
 MISSING_CODES = {"NoSuchKey", "404", "NotFound"}
+RETRIES = {"max_attempts": 2, "mode": "standard"}
+"""botocore retries of every S3 request arlflow makes, and of DVC's push/pull unless the user configured their own
+(AWS_MAX_ATTEMPTS / AWS_RETRY_MODE, or max_attempts / retry_mode in the AWS profile): one retry rides out a blip,
+and a server that went down mid-push is reported in seconds. botocore's default (legacy, 5 attempts with
+exponential backoff) kept a cut-off push of 100 files retrying each one for 90 s."""
 ENDPOINT_HELP = ("S3 endpoint of a non-AWS server, e.g. http://127.0.0.1:8333 (default: AWS_ENDPOINT_URL, else "
                  "AWS S3)")
 
@@ -93,7 +98,7 @@ def s3_client(endpoint: str | None = None, *, profile: str | None = None):
 
     session = boto3.Session(profile_name=profile) if profile else boto3.Session()
     return session.client("s3", endpoint_url=check_endpoint(endpoint) if endpoint else None,
-                          config=Config(retries={"max_attempts": 2, "mode": "standard"}, connect_timeout=5))
+                          config=Config(retries=dict(RETRIES), connect_timeout=5))
 
 
 def explain(err: Exception, client, where: str) -> S3Error:
@@ -292,6 +297,24 @@ def show(root: Path = ROOT_OPTION, name: Optional[str] = typer.Option(None, "--n
         typer.echo("check: reachable, credentials accepted")
 
 
+def dvc_environment(profile: str | None = None, environ: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment DVC runs in: ``environ`` (default os.environ) with RETRIES as AWS_MAX_ATTEMPTS /
+    AWS_RETRY_MODE where neither the environment nor the AWS profile's config file sets that option."""
+    import botocore.session
+    from botocore.exceptions import ProfileNotFound
+
+    env = dict(os.environ if environ is None else environ)
+    try:
+        scoped = botocore.session.Session(profile=profile or env.get("AWS_PROFILE")).get_scoped_config()
+    except ProfileNotFound:  # DVC reports it in its own words
+        scoped = {}
+    for option, var, value in (("max_attempts", "AWS_MAX_ATTEMPTS", RETRIES["max_attempts"]),
+                               ("retry_mode", "AWS_RETRY_MODE", RETRIES["mode"])):
+        if var not in env and scoped.get(option) is None:
+            env[var] = str(value)
+    return env
+
+
 def _dvc(command: str, root: Path, remote_name: str | None, args: list[str], *, create_bucket: bool = False) -> None:
     """Check access, then run `dvc COMMAND -r REMOTE ARGS...` in ``root``; explain a failure."""
     remote = read_remote(root, remote_name)
@@ -299,7 +322,8 @@ def _dvc(command: str, root: Path, remote_name: str | None, args: list[str], *, 
     problem = access_problem(remote, create_bucket=create_bucket)
     if problem:
         raise _fail(f"dvc {command} not started: {problem}")
-    done = subprocess.run([sys.executable, "-m", "dvc", command, "-r", remote.name, *args], cwd=root)
+    done = subprocess.run([sys.executable, "-m", "dvc", command, "-r", remote.name, *args], cwd=root,
+                          env=dvc_environment(remote.profile))
     if done.returncode:
         problem = access_problem(remote)
         raise _fail(f"dvc {command} stopped part-way (exit {done.returncode})" + (f": {problem}" if problem else

@@ -18,7 +18,7 @@ from typer.testing import CliRunner
 
 from datapool.store import DataPool
 from flows.pool_cli import pool_app
-from flows.remote_cli import S3Error, local_target
+from flows.remote_cli import S3Error, dvc_environment, local_target
 from tests.datapool.records_helpers import full_trajectory
 from tests.servers import S3Server, start_s3_server
 
@@ -189,6 +189,27 @@ def test_a_push_cut_off_by_the_server_completes_on_retry_with_every_object_whole
             assert hashlib.md5((clone / "data" / name).read_bytes()).digest() == hashlib.md5(content).digest(), name
     finally:
         server.stop()
+
+
+def test_dvc_runs_with_arlflows_retries_unless_the_environment_or_the_aws_profile_sets_them(tmp_path, monkeypatch):
+    """botocore's default (legacy mode, 5 attempts, exponential backoff) kept the cut-off push above retrying each
+    file for 90 s; arlflow's own 2 standard attempts reported it in about 8 s."""
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "absent"))
+    env = dvc_environment(environ={"PATH": "/bin"})
+    assert (env["AWS_MAX_ATTEMPTS"], env["AWS_RETRY_MODE"], env["PATH"]) == ("2", "standard", "/bin")
+    mine = dvc_environment(environ={"AWS_MAX_ATTEMPTS": "9"})
+    assert (mine["AWS_MAX_ATTEMPTS"], mine["AWS_RETRY_MODE"]) == ("9", "standard")
+
+    config = tmp_path / "config"
+    config.write_text("[default]\nretry_mode = adaptive\n[profile patient]\nmax_attempts = 7\n")
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(config))
+    default = dvc_environment(environ={})
+    assert default["AWS_MAX_ATTEMPTS"] == "2" and "AWS_RETRY_MODE" not in default  # the profile's retry_mode holds
+    patient = dvc_environment("patient", environ={})
+    assert "AWS_MAX_ATTEMPTS" not in patient and patient["AWS_RETRY_MODE"] == "standard"
+    by_variable = dvc_environment(environ={"AWS_PROFILE": "patient"})
+    assert "AWS_MAX_ATTEMPTS" not in by_variable
+    assert dvc_environment("no-such-profile", environ={})["AWS_MAX_ATTEMPTS"] == "2"  # DVC reports the profile
 
 
 # ----------------------------------------------------------------------------------------------- pool exports
