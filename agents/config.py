@@ -32,12 +32,17 @@ class HarnessConfig:
     to the token sequences of the state's admissible actions (slot-free macros of live skills included) by a prefix
     tree over the vocabulary, in every engine (local; vLLM through arlflow's logits processor), with the trainer
     scoring under the same mask (models/portable/action_trie.py). States without admissible actions decode freely."""
+    max_turns: int = 0
+    """Decisions an episode may take: one action or one macro call each (a macro's actions still count against
+    the env's own step limit, e.g. FrozenLake's max_steps). An episode still live then ends truncated. 0: no budget
+    beyond the env's. The non-learning baselines play under the same budget, with primitive actions only."""
     chat_template: bool = False
     """Wrap every prompt in the tokenizer's own chat template (one user turn, generation prompt added): for
     pretrained chat models (bootstrap.model); the embedded tiny tokenizer has none."""
 
     def __post_init__(self) -> None:
-        check_config(self, history_turns="non_negative", process_alpha="non_negative", step_timeout_s="positive")
+        check_config(self, history_turns="non_negative", process_alpha="non_negative", step_timeout_s="positive",
+                     max_turns="non_negative")
         check_choice(self, "tool_format", TOOL_FORMATS)
         check_choice(self, "action_space", ACTION_SPACES)
         if self.action_space == "admissible" and self.context == "fold":

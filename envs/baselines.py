@@ -18,6 +18,7 @@ import random
 import re
 import statistics
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from envs.base import Scenario, close_env, make_scenario_env, scenario_content_keys
@@ -143,10 +144,11 @@ def play(scenario: Scenario, env_kwargs: Mapping[str, Mapping[str, Any]], policy
         close_env(env)
 
 
-def success(scenarios: Sequence[Scenario], env_kwargs, make: Callable[[Scenario, random.Random], Policy | None],
-            seed: int) -> float:
+def _success(scenarios: Sequence[Scenario], env_kwargs, make: Callable[[Scenario, random.Random], Policy | None],
+            seed: int, max_turns: int = 1000) -> float:
     rng = random.Random(seed)
-    return sum(play(s, env_kwargs, make(s, rng)) for s in scenarios) / len(scenarios) if scenarios else 0.0
+    return (sum(play(s, env_kwargs, make(s, rng), max_turns) for s in scenarios) / len(scenarios)
+            if scenarios else 0.0)
 
 
 def _spread(values: list[float]) -> dict[str, Any]:
@@ -156,10 +158,12 @@ def _spread(values: list[float]) -> dict[str, Any]:
 
 def baseline_report(heldout: Sequence[Scenario], train: Sequence[Scenario],
                     env_kwargs: Mapping[str, Mapping[str, Any]] | None = None, *, seeds: Iterable[int] = (0, 1, 2),
-                    tune_scenarios: int = 100) -> dict[str, Any]:
+                    tune_scenarios: int = 100, max_turns: int = 1000) -> dict[str, Any]:
     """random, every heuristic of the held-out envs (tuned on train where it has a grid), and train_lookup, on
-    ``heldout``; with how many held-out scenarios equal a train scenario in content."""
+    ``heldout``; with how many held-out scenarios equal a train scenario in content. Each plays at most
+    ``max_turns`` primitive actions per episode (the policies' decision budget; baselines have no macros)."""
     env_kwargs = env_kwargs or {}
+    success = partial(_success, max_turns=max_turns)
     seeds = list(seeds)
     heldout, train = list(heldout), list(train)
     kwargs = lambda s: dict(env_kwargs.get(s.env, {}))  # noqa: E731

@@ -88,6 +88,19 @@ def episode_options(params: Params, layout: Layout | None = None) -> dict[str, A
             "env_kwargs": env_kwargs(params, layout), "chat_template": params.harness.chat_template}
 
 
+SAFETY_TURNS = 256
+"""run_episodes' own stop for envs that never truncate, when harness.max_turns sets no budget."""
+
+
+def play_options(params: Params, layout: Layout | None = None) -> dict[str, Any]:
+    """episode_options plus how episodes are played (the action space, fold's process reward, the env step
+    timeout, the decision budget): what rollout, evaluation and transfer pass to run_episodes."""
+    harness = params.harness
+    return {**episode_options(params, layout), "action_space": harness.action_space,
+            "process_alpha": harness.process_alpha, "step_timeout_s": harness.step_timeout_s,
+            "max_turns": harness.max_turns or SAFETY_TURNS, "skills_per_step": skills_per_step(params)}
+
+
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     torch.manual_seed(seed)
@@ -136,12 +149,8 @@ def evaluate_policy(engine: TransformersEngine, scenarios: list[Scenario], param
     (the policy's name) shows a progress bar "evaluate <label>"."""
     sampling = replace(params.evaluate.sampling, seed=params.pipeline.seed)
     trajectories = run_episodes(engine, engine.tokenizer, scenarios, group_size=1, sampling=sampling,
-                                round_index=0, **episode_options(params, layout),
-                                action_space=params.harness.action_space,
-                                process_alpha=params.harness.process_alpha,
+                                round_index=0, **play_options(params, layout),
                                 skills_for=skill_slot(skills or [], params),
-                                skills_per_step=skills_per_step(params),
-                                step_timeout_s=params.harness.step_timeout_s,
                                 progress=bool(label), label=f"evaluate {label}", seed=params.pipeline.seed)
     summary = summarize(trajectories)
     envs_seen = sorted({t.env for t in trajectories})

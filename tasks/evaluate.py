@@ -80,13 +80,13 @@ def write_rounds_plot(path: Path, rows: list[dict[str, Any]]) -> None:
         writer.writerows([row[field] for field in fields[:len(row)]] for row in rows)
 
 
-def baselines_or_error(heldout: list[Scenario], train: list[Scenario], kwargs_by_env: dict[str, dict[str, Any]]
-                       ) -> dict[str, Any]:
+def baselines_or_error(heldout: list[Scenario], train: list[Scenario], kwargs_by_env: dict[str, dict[str, Any]],
+                       max_turns: int = 0) -> dict[str, Any]:
     """The non-learning baselines (envs/baselines.py), or ``{"error": ...}`` when an env call raised while they
     played: they call the env directly, without the rollout loop's per-episode isolation, and a flaky env must not
-    fail the stage after every policy was evaluated."""
+    fail the stage after every policy was evaluated. ``max_turns``: harness.max_turns (0: no budget)."""
     try:
-        return baseline_report(heldout, train, kwargs_by_env)
+        return baseline_report(heldout, train, kwargs_by_env, max_turns=max_turns or 1000)
     except Exception as err:  # noqa: BLE001 - any env error; the report names it
         return {"error": f"a baseline's env call failed, no baselines this run: {type(err).__name__}: {err}"}
 
@@ -115,7 +115,8 @@ def run(params: Params, layout: Layout) -> dict[str, Any]:
     heldout_metrics = {key: _subset(results[key]) for key in ("base", "warmstart", "final", "final_with_skills")}
     per_round = {f"round_{r}": _subset(results[f"round_{r}"]) for r in range(1, rounds + 1)}
     skills_report = skill_report(results["final"], results["final_with_skills"], final_bank, layout, rounds)
-    baselines = baselines_or_error(heldout, read_scenarios(layout, "train"), env_kwargs(params, layout))
+    baselines = baselines_or_error(heldout, read_scenarios(layout, "train"), env_kwargs(params, layout),
+                                   params.harness.max_turns)
     if "error" not in baselines:
         baselines["final_above_every_baseline"] = results["final"]["success_rate"] > max(
             [baselines["random"]["mean"], baselines["train_lookup"]["mean"]]

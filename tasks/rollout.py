@@ -14,8 +14,7 @@ from datapool.quality import STEPLESS, stepless_groups
 from datapool.records import TrajectoryRecord
 from datapool.store import DataPool
 from skills.lifecycle import RoundBank, load_round_bank
-from tasks.common import (episode_options, read_scenarios, seed_everything, skill_program, skills_per_step,
-                          write_json)
+from tasks.common import play_options, read_scenarios, seed_everything, skill_program, write_json
 from tasks.skill_trials import trial_frame, write_trials
 from tasks.config import Params, params_to_dict
 from tasks.engines import open_engine
@@ -133,12 +132,9 @@ def run(params: Params, layout: Layout, round_index: int) -> dict[str, Any]:
             program.plan(batch, cfg.group_size, seed + 7919 * (batches - 1))
             new = run_episodes(engine, engine.tokenizer, batch, group_size=cfg.group_size,
                                sampling=replace(sampling, seed=seed + 7919 * (batches - 1)),
-                               round_index=round_index, **episode_options(params, layout),
-                               action_space=params.harness.action_space,
-                               process_alpha=params.harness.process_alpha,
+                               round_index=round_index, **play_options(params, layout),
                                skills_for=program.skills_for if program.active else None,
-                               skills_per_step=skills_per_step(params),
-                               step_timeout_s=params.harness.step_timeout_s, seed=seed + 7919 * (batches - 1))
+                               seed=seed + 7919 * (batches - 1))
             informative += count_informative_groups(new)
             trajectories += new
         elapsed = time.perf_counter() - started

@@ -118,3 +118,28 @@ def test_demonstrations_bind_a_macros_slots_from_the_expert_actions():
     assert first == f" skill 1 {target}" and first_prompt.startswith("Skill 1: go and act\n")
     # a macro with slots is not listed as an admissible action (it needs arguments); a slot-free one is
     assert "skill 1" not in first_prompt.split("Actions:")[1]
+
+
+def test_a_decision_budget_counts_a_macro_as_one_decision(path_scenario, tokenizer):
+    scenario, actions = path_scenario
+    slot = SkillSlot("Skill 1: first two", ("two",), {"skill 1": tuple(actions[:2])})
+    play = dict(group_size=1, sampling=SAMPLING, env_kwargs={"frozenlake": LAKE}, progress=False, max_turns=5)
+    [plain] = run_episodes(Scripted(tokenizer, actions), tokenizer, [scenario], **play)
+    assert not plain.won and plain.status == "truncated" and plain.num_steps == 5
+    [called] = run_episodes(Scripted(tokenizer, ["skill 1", *actions[2:]]), tokenizer, [scenario],
+                            skills_for=lambda query: slot, **play)
+    assert called.won and called.num_steps == 5 and called.metadata["macro_calls"] == 1
+
+
+def test_harness_max_turns_reaches_evaluation_and_rejects_a_negative_budget(path_scenario, tokenizer):
+    from tasks.common import evaluate_policy
+    from tasks.config import ParamsError, load_params, params_to_dict, parse_params
+
+    scenario, actions = path_scenario
+    raw = params_to_dict(load_params())
+    for budget, won in ((0, 1.0), (6, 1.0), (5, 0.0)):
+        params = parse_params({**raw, "harness": {**raw["harness"], "max_turns": budget}})
+        summary, _ = evaluate_policy(Scripted(tokenizer, actions), [scenario], params)
+        assert summary["success_rate"] == won, budget
+    with pytest.raises(ParamsError, match="harness.max_turns = -1: must be >= 0"):
+        parse_params({**raw, "harness": {**raw["harness"], "max_turns": -1}})

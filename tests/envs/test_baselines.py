@@ -41,3 +41,14 @@ def test_the_memorizer_replays_the_expert_on_scenarios_it_saw():
     assert report["heldout_equal_to_a_train_scenario"] == 20
     assert report["train_lookup"]["mean"] == 1.0                       # the expert solves every generated map
     assert report["heuristics"]["down_right_rule"]["mean"] < 1.0 or report["random"]["mean"] < 1.0
+
+
+def test_baselines_play_under_the_policies_decision_budget():
+    """4x4 maps need 6 moves (all down and right): with 5 decisions and no macros no baseline can win."""
+    train = make_scenarios("frozenlake", "train", 30, seed=0)
+    lake = {"frozenlake": {"size": 4, "p_frozen": 0.8, "max_steps": 12, "is_slippery": False}}
+    free = baseline_report(train[:20], train, lake, seeds=(0,))
+    budget = baseline_report(train[:20], train, lake, seeds=(0,), max_turns=5)
+    assert free["train_lookup"]["mean"] == 1.0 and free["heuristics"]["down_right_rule"]["mean"] > 0.5
+    assert budget["train_lookup"]["mean"] == budget["heuristics"]["down_right_rule"]["mean"] == 0.0
+    assert baseline_report(train[:20], train, lake, seeds=(0,), max_turns=6)["train_lookup"]["mean"] == 1.0
