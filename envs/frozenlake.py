@@ -28,6 +28,14 @@ RESET_OPTIONS: tuple[str, ...] = ("size", "p_frozen")  # what reset(options=...)
 VERBOSITIES: tuple[str, ...] = ("short", "full")  # full adds a legend and the steps left under the grid
 
 
+def _sizes(size: int | list[int] | tuple[int, ...]) -> tuple[int, ...]:
+    """``size`` as a tuple of grid sizes: one int, or a list a scenario's seed picks from (``seed % len``)."""
+    sizes = tuple(size) if isinstance(size, (list, tuple)) else (size,)
+    if not sizes or any(isinstance(n, bool) or not isinstance(n, int) or n < 2 for n in sizes):
+        raise ValueError(f"frozenlake: size must be an int >= 2 or a non-empty list of them, got {size!r}")
+    return sizes
+
+
 def map_id(desc: list[str]) -> str:
     """Short stable hash of a map (8 hex chars of sha1 over its rows): same map, same id, across processes."""
     return hashlib.sha1("\n".join(desc).encode("ascii")).hexdigest()[:8]
@@ -79,21 +87,22 @@ class FrozenLakeText:
     """FrozenLake-v1 behind the text-env contract (see envs/base.py).
 
     Rewards: 1.0 on reaching G, 0.0 otherwise, ``-invalid_penalty`` for an invalid action. A hole or the goal
-    terminates; ``max_steps`` steps (valid or not) truncate.
+    terminates; ``max_steps`` steps (valid or not) truncate. ``size`` is one grid size, or a list of them: a
+    scenario then plays ``size[seed % len(size)]`` (a mix of map sizes in one env; ``reset(options={"size": n})``
+    still overrides it).
     """
 
-    def __init__(self, size: int = 4, p_frozen: float = 0.8, is_slippery: bool = False, max_steps: int = 12,
+    def __init__(self, size: int | list[int] = 4, p_frozen: float = 0.8, is_slippery: bool = False, max_steps: int = 12,
                  invalid_penalty: float = 0.0, verbosity: str = "short") -> None:
         if max_steps < 1:
             raise ValueError(f"frozenlake: max_steps must be >= 1, got {max_steps}")
         if verbosity not in VERBOSITIES:
             raise ValueError(f"frozenlake: verbosity must be one of {list(VERBOSITIES)}, got {verbosity!r}")
         self.verbosity = verbosity
-        if int(size) < 2:
-            raise ValueError(f"frozenlake: size must be >= 2, got {size}")
+        self.sizes = _sizes(size)
         if not 0.0 < float(p_frozen) <= 1.0:
             raise ValueError(f"frozenlake: p_frozen must be in (0, 1], got {p_frozen}")
-        self.size = int(size)
+        self.size = self.sizes[0]
         self.p_frozen = float(p_frozen)
         self.is_slippery = bool(is_slippery)
         self.max_steps = int(max_steps)
@@ -109,7 +118,7 @@ class FrozenLakeText:
     # ----------------------------------------------------------------------------------------- contract
     def reset(self, *, seed: int | None = None, options: dict | None = None) -> tuple[str, dict]:
         options = check_reset_options("frozenlake", options, RESET_OPTIONS)
-        size = int(options.get("size", self.size))
+        size = int(options.get("size", self.sizes[(seed or 0) % len(self.sizes)]))
         p_frozen = float(options.get("p_frozen", self.p_frozen))
         if size < 2:
             raise ValueError(f"frozenlake: size must be >= 2, got {size}")

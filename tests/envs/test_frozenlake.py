@@ -140,6 +140,17 @@ def test_reset_options_override_size_and_reject_unknown_keys():
         FrozenLakeText().step("left")
 
 
+def test_a_size_list_mixes_map_sizes_by_seed_and_bad_sizes_are_refused():
+    env = FrozenLakeText(size=[4, 5])
+    sizes = [len(grid(env.reset(seed=seed)[0])) for seed in range(6)]
+    assert sizes == [4, 5, 4, 5, 4, 5]
+    assert grid(env.reset(seed=1)[0]) == grid(FrozenLakeText(size=5).reset(seed=1)[0])  # the same map as plain 5x5
+    assert len(grid(env.reset(seed=1, options={"size": 3})[0])) == 3
+    for bad in ([], [4, 1], 1, [4.0], True):
+        with pytest.raises(ValueError, match="size must be an int >= 2 or a non-empty list"):
+            FrozenLakeText(size=bad)
+
+
 def test_shortest_path_breaks_ties_in_action_order_and_avoids_holes():
     desc = ["SFF", "FHF", "FFG"]
     assert shortest_path_actions(desc, 0, 0) == ["down", "down", "right", "right"]
