@@ -43,8 +43,13 @@ pipeline: install
 repro: install
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/dvc repro
 
+# The suite runs in TEST_WORKERS processes (pytest-xdist), a test file per worker at a time (module and session
+# servers start once per worker); each worker's torch gets one thread, so two workers fill two cores without
+# oversubscribing them. TEST_WORKERS=0 runs it in this process.
+TEST_WORKERS ?= 2
+
 test: install system-deps vllm
-	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/pytest -q --durations=15
+	PATH="$(CURDIR)/$(BIN):$$PATH" OMP_NUM_THREADS=1 $(BIN)/pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15
 
 test-fast: install
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/pytest -q -m "not slow"
