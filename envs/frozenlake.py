@@ -32,7 +32,7 @@ def _sizes(size: int | list[int] | tuple[int, ...]) -> tuple[int, ...]:
     """``size`` as a tuple of grid sizes: one int, or a list a scenario's seed picks from (``seed % len``)."""
     sizes = tuple(size) if isinstance(size, (list, tuple)) else (size,)
     if not sizes or any(isinstance(n, bool) or not isinstance(n, int) or n < 2 for n in sizes):
-        raise ValueError(f"frozenlake: size must be an int >= 2 or a non-empty list of them, got {size!r}")
+        raise ValueError(f"frozenlake: size must be >= 2: an int, or a non-empty list of ints, got {size!r}")
     return sizes
 
 

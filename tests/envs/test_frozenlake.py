@@ -147,7 +147,7 @@ def test_a_size_list_mixes_map_sizes_by_seed_and_bad_sizes_are_refused():
     assert grid(env.reset(seed=1)[0]) == grid(FrozenLakeText(size=5).reset(seed=1)[0])  # the same map as plain 5x5
     assert len(grid(env.reset(seed=1, options={"size": 3})[0])) == 3
     for bad in ([], [4, 1], 1, [4.0], True):
-        with pytest.raises(ValueError, match="size must be an int >= 2 or a non-empty list"):
+        with pytest.raises(ValueError, match="size must be >= 2: an int, or a non-empty list of ints"):
             FrozenLakeText(size=bad)
 
 
