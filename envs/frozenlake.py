@@ -102,7 +102,6 @@ class FrozenLakeText:
         self.sizes = _sizes(size)
         if not 0.0 < float(p_frozen) <= 1.0:
             raise ValueError(f"frozenlake: p_frozen must be in (0, 1], got {p_frozen}")
-        self.size = self.sizes[0]
         self.p_frozen = float(p_frozen)
         self.is_slippery = bool(is_slippery)
         self.max_steps = int(max_steps)
