@@ -86,8 +86,12 @@ def _baseline_verdict(evaluation: dict[str, Any]) -> str:
         return "Baselines: not in evaluate.json."
     best = baselines.get("best_heuristic")
     best_text = f" (best heuristic: {best['name']} {_number(best['mean'])})" if best else ""
-    verdict = "yes" if baselines["final_above_every_baseline"] else "no"
-    return f"Final policy above every baseline: {verdict}{best_text}."
+    def verdict(key: str) -> str:
+        return "yes" if baselines.get(key) else "no"
+
+    with_skills = (f"; with its final skill bank: {verdict('final_with_skills_above_every_baseline')}"
+                   if "final_with_skills_above_every_baseline" in baselines else "")
+    return f"Final policy above every baseline: {verdict('final_above_every_baseline')}{with_skills}{best_text}."
 
 
 def _skill_summary(evaluation: dict[str, Any]) -> str:

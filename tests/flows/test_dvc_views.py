@@ -35,7 +35,8 @@ REPORT = {  # an evaluate.json of two rounds, by hand
                "per_round": [{"round": 1, "live": 1}, {"round": 2, "live": 3}]},
     "baselines": {"random": {"mean": 0.013, "std": 0.002}, "train_lookup": {"mean": 0.83, "std": 0.0},
                   "heuristics": {"down_right_rule": {"mean": 0.83, "std": 0.0, "params": {}, "rule": "..."}},
-                  "final_above_every_baseline": False, "heldout_equal_to_a_train_scenario": 0},
+                  "final_above_every_baseline": False, "final_with_skills_above_every_baseline": False,
+                  "heldout_equal_to_a_train_scenario": 0},
     "heldout_scenarios": 200, "seed": 0, "engine": {"base": {"kind": "transformers"}},
 }
 
@@ -94,7 +95,7 @@ def test_summary_keys_from_a_hand_written_evaluate_report():
         "heldout_by_round": {"round_1": 0.595, "round_2": 0.635},
         "skills": {"live": 3, "success_gain": 0.005},
         "baselines": {"random": 0.013, "train_lookup": 0.83, "down_right_rule": 0.83},
-        "final_above_every_baseline": 0,
+        "final_above_every_baseline": 0, "final_with_skills_above_every_baseline": 0,
     }
     failed = REPORT | {"baselines": {"error": "a baseline's env call failed"}}
     assert set(summary_metrics(failed)) == {"heldout_success", "heldout_by_round", "skills"}
@@ -108,7 +109,7 @@ def test_dvc_metrics_and_exp_show_list_only_the_summary(repo):
     shown = json.loads(_dvc(layout.root, "metrics", "show", "--json"))[""]["data"]
     assert list(shown) == ["metrics/summary.json"]
     leaves = _leaves(shown["metrics/summary.json"]["data"])
-    assert len(leaves) == 13 and max(depth for _, depth in leaves) <= 2
+    assert len(leaves) == 14 and max(depth for _, depth in leaves) <= 2
 
     git = ["git", "-c", "user.name=test", "-c", "user.email=test@example.com"]
     subprocess.run(git + ["add", "-A"], cwd=layout.root, check=True)

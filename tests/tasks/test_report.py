@@ -56,6 +56,12 @@ def test_every_policy_then_the_baselines_with_their_spread(layout):
     assert rows["baseline: random"] == ["0.100 ± 0.020", "-", "30"]   # 10 scenarios x 3 seeds
     assert "held-out success (10 scenarios, seed 3)" in text
     assert "Final policy above every baseline: yes (best heuristic: down_right_rule 0.500)." in text
+    # the agent with its bank is judged too, where evaluate.json says
+    both = EVALUATION | {"baselines": EVALUATION["baselines"] | {"final_above_every_baseline": False,
+                                                                "final_with_skills_above_every_baseline": True}}
+    layout.evaluate_metrics.write_text(json.dumps(both))
+    assert ("Final policy above every baseline: no; with its final skill bank: yes "
+            "(best heuristic: down_right_rule 0.500).") in results_table(layout)
     assert ("Skills: 2 live, 1 candidate(s), 3 rejected; held-out success 0.700 with them vs 0.600 without "
             "(gain +0.100); 41.5 skill prompt tokens per episode.") in text
     assert "metrics/transfer.json not found: run `dvc repro transfer`" in text
