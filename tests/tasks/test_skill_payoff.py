@@ -53,20 +53,25 @@ def test_under_a_decision_budget_validation_promotes_macros_and_the_bank_wins_he
     assert not baselines["final_above_every_baseline"] and baselines["final_with_skills_above_every_baseline"]
 
 
-def test_the_mixed_size_profile_caps_primitive_play_at_its_4x4_maps():
-    """configs/frozenlake-mixed-budget.yaml: 4x4 and 5x5 maps under 7 decisions. Held-out maps are unseen and of both
-    sizes; a primitive-only player (the down-right rule) wins some 4x4 maps and no 5x5 one, which only a macro can."""
-    params = parse_params(params_to_dict(load_params(REPO / "configs" / "frozenlake-mixed-budget.yaml")))
-    assert params.harness.max_turns == 7
+@pytest.mark.parametrize("profile, turns, large_size", [
+    ("frozenlake-mixed-budget.yaml", 7, 5),      # 7 decisions: a 4x4 map's 8-move detours are out of reach too
+    ("frozenlake-4x4-6x6-budget.yaml", 8, 6),    # 8 decisions: every 4x4 path of 6 or 8 moves stays in reach
+])
+def test_the_mixed_size_profiles_cap_primitive_play_at_their_4x4_maps(profile, turns, large_size):
+    """configs/frozenlake-mixed-budget.yaml (4x4 and 5x5 maps under 7 decisions) and
+    configs/frozenlake-4x4-6x6-budget.yaml (4x4 and 6x6 under 8). Held-out maps are unseen and of both sizes; a
+    primitive-only player (the down-right rule) wins 4x4 maps and no larger one, which only a macro can."""
+    params = parse_params(params_to_dict(load_params(REPO / "configs" / profile)))
+    assert params.harness.max_turns == turns
     train, heldout, overlap = make_scenario_sets(params)
     assert overlap["heldout_overlap"] == {"frozenlake": 0}
     kwargs = env_kwargs(params)
     env = FrozenLakeText(**kwargs["frozenlake"])
     sizes = {s.seed: len(env.reset(seed=s.seed)[0].splitlines()) for s in heldout}
     small = [s for s in heldout if sizes[s.seed] == 4]
-    large = [s for s in heldout if sizes[s.seed] == 5]
-    assert len(small) >= 30 and len(large) >= 30
+    large = [s for s in heldout if sizes[s.seed] == large_size]
+    assert len(small) >= 30 and len(large) >= 30 and len(small) + len(large) == len(heldout)
     rule = lambda scenarios, turns: baseline_report(scenarios, train[:50], kwargs, seeds=(0,), max_turns=turns)[
         "heuristics"]["down_right_rule"]["mean"]
-    assert rule(large, 7) == 0.0 < rule(large, 100)                  # 8 moves at least: out of reach without macros
-    assert rule(small, 7) > 0.5
+    assert rule(large, turns) == 0.0 < rule(large, 100)       # 2(n-1) moves at least: out of reach without macros
+    assert rule(small, turns) == rule(small, 100) > 0.5      # its 6-move monotone paths fit either budget
