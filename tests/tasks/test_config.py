@@ -45,6 +45,27 @@ def test_repo_params_yaml_spells_out_exactly_the_defaults():
     assert load_params(REPO / "params.yaml") == parse_params({})
 
 
+@pytest.mark.parametrize("profile", sorted((REPO / "configs").glob("*.yaml")), ids=lambda path: path.name)
+def test_every_shipped_profile_loads_and_each_of_its_keys_lands(profile):
+    """A profile in configs/ is checked like params.yaml (unknown keys and bad values refused: a typo in a shipped
+    profile fails here, not in a user's `arlflow use-profile`), and every value it sets is the loaded value."""
+    loaded = params_to_dict(load_params(profile))
+
+    def leaves(tree: dict, prefix: str = "") -> list[tuple[str, object]]:
+        return [leaf for key, value in tree.items()
+                for leaf in (leaves(value, f"{prefix}{key}.") if isinstance(value, dict) and value
+                             else [(f"{prefix}{key}", value)])]
+
+    def get(tree: dict, dotted: str):
+        for key in dotted.split("."):
+            tree = tree[key]
+        return tree
+
+    keys = leaves(read_yaml(profile.read_text(), profile.name))
+    assert keys, f"{profile.name} sets nothing"
+    assert {key: get(loaded, key) for key, _ in keys} == dict(keys)
+
+
 def test_every_settable_field_is_documented_once_in_its_dataclass():
     """A docstring right under each field (STYLE.md): the only place a knob is described."""
     def has_docstring(cls: type) -> bool:
