@@ -119,7 +119,7 @@ def use_profile(profile: Path = typer.Argument(..., help="a params profile, e.g.
     try:
         params = load_params(profile)
     except ParamsError as err:
-        typer.secho(f"error: {profile}: {err}", fg=typer.colors.RED, err=True)
+        typer.secho(f"error: {err}", fg=typer.colors.RED, err=True)   # the message names the profile's file
         raise typer.Exit(2) from err
     target = layout.root / "params.yaml"
     text = (f"# written by `arlflow use-profile {profile}`: the defaults with that profile's keys on top\n"

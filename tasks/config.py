@@ -278,7 +278,13 @@ def load_params(path: str | Path = "params.yaml") -> Params:
     if raw is None:
         raise ParamsError(f"{path} is empty: it must hold the pipeline's sections {list(SECTIONS)} (restore it with "
                           "`git checkout params.yaml`; `arlflow check-params --defaults` prints the defaults)")
-    return parse_params(raw)
+    try:
+        return parse_params(raw)
+    except ParamsError as err:  # the checks name params.yaml; a profile's errors name the profile's file
+        message = str(err)
+        if path.name == "params.yaml" or not message.startswith("params.yaml"):
+            raise
+        raise ParamsError(f"{path}{message[len('params.yaml'):]}") from err
 
 
 def _plain(value: Any) -> Any:

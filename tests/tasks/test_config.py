@@ -223,6 +223,29 @@ def test_cli_exits_2_before_writing_anything(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == before
 
 
+def test_use_profile_writes_the_profile_over_the_defaults_and_a_bad_one_changes_nothing(tmp_path):
+    """`arlflow use-profile`: params.yaml becomes the defaults with the profile's keys on top, dvc.yaml follows its
+    round count, and the replaced params.yaml is kept as params.yaml.bak. A profile with a typo exits 2 naming the
+    profile's file and the key, and leaves params.yaml and dvc.yaml as they were."""
+    mine = "# my edits\n" + params_to_yaml(parse_params({"pipeline": {"rounds": 2}}))
+    (tmp_path / "params.yaml").write_text(mine)
+    profile = REPO / "configs" / "frozenlake-4x4-6x6-budget.yaml"
+    done = CliRunner().invoke(app, ["use-profile", str(profile), "--root", str(tmp_path)])
+    assert done.exit_code == 0, done.output
+    written = load_params(tmp_path / "params.yaml")
+    assert written == load_params(profile) and written.harness.max_turns == 8 and written.pipeline.rounds == 5
+    assert (tmp_path / "params.yaml.bak").read_text() == mine
+    assert "round_5" in (tmp_path / "dvc.yaml").read_text()
+
+    bad = tmp_path / "typo.yaml"
+    bad.write_text("harness:\n  max_turn: 8\n")
+    before = {name: (tmp_path / name).read_text() for name in ("params.yaml", "dvc.yaml", "params.yaml.bak")}
+    done = CliRunner().invoke(app, ["use-profile", str(bad), "--root", str(tmp_path)])
+    assert done.exit_code == 2
+    assert f"{bad}: unknown key(s) ['max_turn'] in harness" in done.output and "Traceback" not in done.output
+    assert {name: (tmp_path / name).read_text() for name in before} == before
+
+
 def test_loading_and_printing_params_imports_no_torch():
     """`arlflow check-params` took 9-10 s: the sections' dataclasses lived in the torch modules they configure, so
     reading params.yaml imported torch and transformers. Registry names (a skill estimator, a loss, an aux loss)
