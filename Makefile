@@ -49,7 +49,7 @@ repro: install
 TEST_WORKERS ?= 2
 
 test: install system-deps vllm
-	PATH="$(CURDIR)/$(BIN):$$PATH" OMP_NUM_THREADS=1 $(BIN)/pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15
+	PATH="$(CURDIR)/$(BIN):$$PATH" OMP_NUM_THREADS=1 $(BIN)/pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=15
 
 test-fast: install
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/pytest -q -m "not slow"

@@ -39,3 +39,12 @@ def prefect_harness(tmp_path_factory):
 
     with prefect_test_harness(server_startup_timeout=120):
         yield
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """Longest test files first (tests/durations.py): xdist hands whole files to workers in this order."""
+    from pathlib import Path
+
+    from tests.durations import load, order_by_duration
+
+    order_by_duration(items, Path(config.rootpath), load())
