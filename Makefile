@@ -45,7 +45,8 @@ repro: install
 
 # The suite runs in TEST_WORKERS processes (pytest-xdist), a test file per worker at a time (module and session
 # servers start once per worker); each worker's torch gets one thread, so two workers fill two cores without
-# oversubscribing them. TEST_WORKERS=0 runs it in this process.
+# oversubscribing them. TEST_WORKERS=0 runs it in this process. The longest files go first (tests/durations.py:
+# their recorded seconds; --no-loadscope-reorder keeps that order), so no long file is taken last.
 TEST_WORKERS ?= 2
 
 test: install system-deps vllm
