@@ -26,7 +26,8 @@ def minimal_profile() -> dict:
     """configs/smollm2-household.yaml, shrunk to a few scenarios and one short epoch."""
     raw = yaml.safe_load((REPO / "configs" / "smollm2-household.yaml").read_text())
     raw["bootstrap"].update(train_scenarios=6, heldout_scenarios=2)
-    raw["warmstart"].update(demo_scenarios=2, lora={"r": 4})
+    # one scenario's demos, one epoch: a few LoRA updates show the path (each costs ~15 s of one CPU thread)
+    raw["warmstart"].update(demo_scenarios=1, lora={"r": 4}, update={**raw["warmstart"]["update"], "epochs": 1})
     raw["rollout"].update(scenarios_per_round=2, group_size=2)
     raw["env"]["kwargs"]["household"]["max_steps"] = 6
     return raw
