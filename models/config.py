@@ -182,6 +182,13 @@ class UpdateConfig:
         """Rows per optimizer step: mini_batch_size, or the engine's train batch size when it is 0."""
         return self.mini_batch_size or engine.train_batch_size()
 
+    def optimizer_steps(self, rows: int, world_size: int = 1, grad_accum: int = 1) -> int:
+        """Optimizer steps that an update over ``rows`` rows takes (epochs x mini-batches), known before the engine
+        exists: what a cosine schedule decays over (``make_ds_engine(total_steps=...)``). Mini-batches as in
+        ``mini_batch``, the engine's train batch being micro_batch_size x grad_accum x world_size."""
+        mini = self.mini_batch_size or self.micro_batch_size * grad_accum * world_size
+        return self.epochs * math.ceil(rows / mini)
+
 
 # ------------------------------------------------------------------------------------ optimizer and adapters
 

@@ -177,6 +177,10 @@ class TrainConfig:
         check_choice(self, "layout", TRAIN_LAYOUTS)
         if self.staleness_limit < -1:
             raise ConfigValueError("staleness_limit", self.staleness_limit, "-1 (keep every step) or a count >= 0")
+        if self.internalize.coef > 0 and self.optimizer.lr_schedule == "cosine" and self.optimizer.min_lr_ratio == 0:
+            # internalization's pass follows the policy-gradient steps the schedule decays over, at its last rate
+            raise ConfigValueError("optimizer.min_lr_ratio", 0.0, "> 0 with lr_schedule cosine and internalize.coef "
+                                   "> 0 (internalization runs after the decay, at min_lr_ratio x lr: 0 trains nothing)")
 
 
 @dataclass(frozen=True)

@@ -196,7 +196,8 @@ def run(params: Params, layout: Layout, round_index: int) -> dict[str, Any]:
             if cfg.lora.r > 0:
                 model = cfg.lora.apply(model)
                 reference = ReferencePolicy(model) if wants_reference else None
-            engine = make_ds_engine(model, cfg.optimizer, micro_batch_size=cfg.update.micro_batch_size)
+            engine = make_ds_engine(model, cfg.optimizer, micro_batch_size=cfg.update.micro_batch_size,
+                                    total_steps=cfg.update.optimizer_steps(len(rows), rank_and_world()[1]))
             mini = cfg.update.mini_batch(engine)
             per_epoch = math.ceil(len(rows) / mini)
             log.info("train round %d: %d steps -> %d rows (%s); epochs %d x %d mini-batches of <= %d rows = %d "

@@ -71,7 +71,8 @@ def sft_policy(model, tokenizer, scenarios: list[Scenario], params: Params, save
                                        call_macros=params.skills.macros)
     if cfg.lora.r > 0:
         model = cfg.lora.apply(model)
-    engine = make_ds_engine(model, cfg.optimizer, micro_batch_size=cfg.update.micro_batch_size)
+    engine = make_ds_engine(model, cfg.optimizer, micro_batch_size=cfg.update.micro_batch_size,
+                            total_steps=cfg.update.optimizer_steps(len(pairs), rank_and_world()[1]))
     log.info("warmstart: SFT on %d demonstrations, epochs: %d", len(pairs), cfg.update.epochs)
     on_update = (lambda step, m: log_metrics(m, step=step, prefix="sft.")) if rank_and_world()[0] == 0 else None
     metrics = sft_update(engine, pairs, pad_id=tokenizer.pad_token_id, update=cfg.update, seed=params.pipeline.seed,

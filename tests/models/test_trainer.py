@@ -251,6 +251,23 @@ def test_lr_schedule_warmup_then_cosine():
         LrSchedule("cosine", warmup_steps=3)
 
 
+@pytest.mark.parametrize("epochs, micro, mini, accum", [(1, 2, 0, 1), (2, 3, 0, 1), (1, 2, 0, 2), (2, 2, 6, 1)])
+def test_optimizer_steps_known_before_the_engine_are_the_updates_it_takes(policy, epochs, micro, mini, accum):
+    """UpdateConfig.optimizer_steps sizes a cosine schedule before make_ds_engine: it must equal the updates that
+    sft_update and rl_update then take, for every batching knob."""
+    model, tokenizer = policy
+    rows = varied_rows(tokenizer)
+    update = UpdateConfig(epochs=epochs, micro_batch_size=micro, mini_batch_size=mini)
+    for run in ("sft", "rl"):
+        engine = make_ds_engine(model, OptimizerConfig(lr=1e-4), micro_batch_size=micro, grad_accum=accum)
+        if run == "sft":
+            taken = sft_update(engine, [(r.prompt_ids, r.response_ids) for r in rows], pad_id=PAD, update=update,
+                               progress=False)["updates"]
+        else:
+            taken = rl_update(engine, rows, pad_id=PAD, loss=LossConfig(), update=update, progress=False)["updates"]
+        assert taken == update.optimizer_steps(len(rows), grad_accum=accum), run
+
+
 def test_engine_steps_the_lr_schedule(policy):
     model, tokenizer = policy
     engine = make_ds_engine(model, OptimizerConfig(lr=1e-2, lr_schedule="cosine", warmup_steps=2), micro_batch_size=2, total_steps=4)

@@ -111,6 +111,8 @@ def test_every_section_is_a_frozen_dataclass():
 
 
 BAD_VALUES = [  # (params.yaml override, fragments the one-line error must hold)
+    ({"train": {"optimizer": {"lr_schedule": "cosine"}, "internalize": {"coef": 0.5}}},
+     ["train.optimizer.min_lr_ratio = 0.0", "internalization runs after the decay"]),
     ({"train": {"update": {"micro_batch_size": 0}}}, ["train.update.micro_batch_size = 0", "> 0"]),
     ({"rollout": {"scenarios_per_round": 0}}, ["rollout.scenarios_per_round = 0", "> 0"]),
     ({"rollout": {"scenarios_per_round": -1}}, ["rollout.scenarios_per_round = -1"]),

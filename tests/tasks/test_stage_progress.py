@@ -11,6 +11,7 @@ import mlflow
 import pytest
 
 from flows.stages import run_stage_functions
+from models.ds_engine import LrSchedule
 from tasks.common import evaluate_policy, load_engine, read_scenarios
 from tasks.config import parse_params
 from tasks.layout import Layout
@@ -19,9 +20,12 @@ from test_no_data_loss import TINY as NO_DATA_LOSS_TINY
 
 pytestmark = pytest.mark.slow  # runs four stages
 
-# test_no_data_loss's tiny project, with mini-batches small enough that warmstart and train take several updates
-TINY = {**NO_DATA_LOSS_TINY, "warmstart": {"demo_scenarios": 16, "update": {"epochs": 1, "micro_batch_size": 8}},
-        "train": {"update": {"micro_batch_size": 16, "epochs": 1}}}
+# test_no_data_loss's tiny project, with mini-batches small enough that warmstart and train take several updates,
+# each under a cosine schedule (warmup, then a decay the stage sizes by its own updates)
+COSINE = {"lr_schedule": "cosine", "warmup_steps": 1, "min_lr_ratio": 0.1}
+TINY = {**NO_DATA_LOSS_TINY, "warmstart": {"demo_scenarios": 16, "update": {"epochs": 1, "micro_batch_size": 8},
+                                           "optimizer": {"lr": 1e-3, **COSINE}},
+        "train": {"update": {"micro_batch_size": 16, "epochs": 1}, "optimizer": {"lr": 1e-4, **COSINE}}}
 
 
 class Lines(logging.Handler):
@@ -70,6 +74,22 @@ def test_sft_and_rl_log_one_point_per_optimizer_step(tracked_round):
         assert all(math.isfinite(m.value) for m in history), name
     for name in ("rl.grad_norm", "rl.entropy", "rl.tokens_per_s", "sft.grad_norm"):
         assert client.get_metric_history(run_id, name), name
+
+
+def test_a_cosine_schedule_decays_over_exactly_the_updates_of_the_stage(tracked_round):
+    """warmstart and train size the cosine schedule by their own optimizer steps (UpdateConfig.optimizer_steps),
+    before the engine exists: every update runs at the schedule's rate for its step, and the last one at the end of
+    the decay. (Without a size, `lr_schedule: cosine` failed both stages.)"""
+    layout, params, run_id, _ = tracked_round
+    client = mlflow.MlflowClient(layout.mlflow_uri)
+    for name, metrics_file, optimizer in (("sft.lr", layout.metrics_dir / "warmstart.json", params.warmstart.optimizer),
+                                          ("rl.lr", layout.round_metrics(1, "train"), params.train.optimizer)):
+        updates = int(json.loads(metrics_file.read_text())["updates"])
+        assert updates > optimizer.warmup_steps + 2, (name, updates)
+        used = [m.value for m in sorted(client.get_metric_history(run_id, name), key=lambda m: m.step)]
+        schedule = LrSchedule("cosine", optimizer.warmup_steps, updates, optimizer.min_lr_ratio)
+        assert used == pytest.approx([optimizer.lr * schedule(k) for k in range(updates)], rel=1e-6), name
+        assert used[-1] < optimizer.lr * (optimizer.min_lr_ratio + 0.1)           # decayed to near the floor
 
 
 def test_stages_say_what_they_train_and_how_it_went(tracked_round):
