@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import logging
-import math
 import shutil
 from collections.abc import Callable
 from dataclasses import replace
@@ -196,13 +195,12 @@ def run(params: Params, layout: Layout, round_index: int) -> dict[str, Any]:
             if cfg.lora.r > 0:
                 model = cfg.lora.apply(model)
                 reference = ReferencePolicy(model) if wants_reference else None
+            updates = cfg.update.optimizer_steps(len(rows), rank_and_world()[1])   # what a cosine decays over
             engine = make_ds_engine(model, cfg.optimizer, micro_batch_size=cfg.update.micro_batch_size,
-                                    total_steps=cfg.update.optimizer_steps(len(rows), rank_and_world()[1]))
-            mini = cfg.update.mini_batch(engine)
-            per_epoch = math.ceil(len(rows) / mini)
+                                    total_steps=updates)
             log.info("train round %d: %d steps -> %d rows (%s); epochs %d x %d mini-batches of <= %d rows = %d "
                      "optimizer updates", round_index, len(frame), len(rows), cfg.layout, cfg.update.epochs,
-                     per_epoch, mini, cfg.update.epochs * per_epoch)
+                     updates // cfg.update.epochs, cfg.update.mini_batch(engine), updates)
             result = rl_update(engine, rows, pad_id=tokenizer.pad_token_id, loss=cfg.loss, update=cfg.update,
                                seed=seed, aux=cfg.aux, reference=reference, on_update=log_steps("rl."),
                                checkpoint_dir=checkpoints, desc=f"train r{round_index}")
